@@ -1,0 +1,7 @@
+"""Data sets, transforms and collate functions, plugged in through registries."""
+
+from pimm.engines.registries import COLLATE_FNS, DATASETS, TRANSFORMS
+
+from . import collate, lartpc, pilarnet, rings, transforms  # noqa: F401  (register)
+
+__all__ = ["DATASETS", "TRANSFORMS", "COLLATE_FNS"]

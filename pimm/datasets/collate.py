@@ -1,0 +1,121 @@
+"""Batching of variable-size point-cloud events into one flat batch.
+
+Point models in pimm take all points of a batch concatenated along dim 0 and
+an ``offset`` tensor ``(B,)`` holding the cumulative end index of each event
+(``offset[-1] == N``), instead of padding to the largest event. The functions
+here build that layout from a list of per-event dicts and are registered in
+``COLLATE_FNS`` under their function names:
+
+* :func:`collate_fn` -- plain concatenation.
+* :func:`point_collate_fn` -- Mix3D-style event mixing on top: with
+  probability ``mix_prob`` pairs of consecutive events are merged into one by
+  dropping every other offset (the points do not move; only the event
+  boundaries do). Bind the probability with
+  ``functools.partial(point_collate_fn, mix_prob=0.8)``.
+* :func:`inseg_collate_fn` -- for instance segmentation: instance ids are made
+  unique across the batch and ``num_instances`` is added.
+
+Values are handled by kind: arrays/tensors with a leading dimension are
+concatenated along dim 0 (per-point data, or per-event vectors that then
+line up by event), 0-d tensors and Python/numpy numbers are stacked into a
+``(B,)`` tensor, strings and other objects are gathered in a list.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from pimm.engines.registries import COLLATE_FNS
+
+__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn"]
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.from_numpy(np.ascontiguousarray(value))
+
+
+def _collate_values(values: list) -> Any:
+    first = values[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)) and first.ndim >= 1:
+        return torch.cat([_as_tensor(v) for v in values], dim=0)
+    if isinstance(first, (torch.Tensor, np.ndarray, np.generic)) or (
+        isinstance(first, numbers.Number) and not isinstance(first, bool)
+    ):
+        return torch.stack([torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v)
+                            for v in values])
+    if isinstance(first, bool):
+        return torch.tensor(values)
+    return list(values)
+
+
+def _point_count(sample: dict) -> int:
+    for key in ("coord", "grid_coord", "feat"):
+        if key in sample:
+            return len(sample[key])
+    raise KeyError(f"cannot tell the number of points of an event with keys {sorted(sample)}; "
+                   "it needs 'coord', 'grid_coord' or 'feat'")
+
+
+@COLLATE_FNS.register_module()
+def collate_fn(batch: Sequence[dict]) -> dict:
+    """Concatenate a list of events into one batch dict with ``offset``."""
+    if not batch:
+        raise ValueError("collate_fn got an empty batch")
+    if not isinstance(batch[0], dict):
+        raise TypeError(f"collate_fn expects a list of dicts, got a list of {type(batch[0]).__name__}")
+    keys = list(batch[0])
+    for i, sample in enumerate(batch[1:], start=1):
+        if set(sample) != set(keys):
+            raise KeyError(f"event {i} of the batch has keys {sorted(sample)}, event 0 has {sorted(keys)}")
+    out = {key: _collate_values([sample[key] for sample in batch]) for key in keys if key != "offset"}
+    counts = torch.tensor([_point_count(sample) for sample in batch], dtype=torch.long)
+    out["offset"] = torch.cumsum(counts, dim=0)
+    return out
+
+
+@COLLATE_FNS.register_module()
+def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
+    """:func:`collate_fn`, then with probability ``mix_prob`` (global numpy
+    RNG) merge events 0+1, 2+3, ... into single events (an odd last event
+    stays alone). Only ``offset`` changes; per-event entries such as ``name``
+    keep one element per original event, and instance ids are not
+    renumbered (use :func:`inseg_collate_fn` for instance targets)."""
+    out = collate_fn(batch)
+    if mix_prob > 0 and np.random.rand() < mix_prob:
+        offset = out["offset"]
+        merged = offset[1::2]
+        if len(offset) % 2 == 1:
+            merged = torch.cat([merged, offset[-1:]])
+        out["offset"] = merged
+    return out
+
+
+@COLLATE_FNS.register_module()
+def inseg_collate_fn(batch: Sequence[dict]) -> dict:
+    """:func:`collate_fn` with batch-unique instance ids.
+
+    Each event's non-negative ``instance`` ids are shifted past those of the
+    events before it (by the running sum of ``max id + 1``); ``-1`` (ignore)
+    stays ``-1``. Adds ``num_instances`` (B,) int64 = ``max id + 1`` per
+    event (0 when it has none)."""
+    shifted, num_instances, base = [], [], 0
+    for sample in batch:
+        if "instance" not in sample:
+            raise KeyError(f"inseg_collate_fn needs an 'instance' entry in every event; got {sorted(sample)} "
+                           "(list 'instance' in Collect(keys=...))")
+        inst = _as_tensor(sample["instance"]).long()
+        n_inst = int(inst.max()) + 1 if inst.numel() and int(inst.max()) >= 0 else 0
+        sample = dict(sample)
+        sample["instance"] = torch.where(inst >= 0, inst + base, inst)
+        shifted.append(sample)
+        num_instances.append(n_inst)
+        base += n_inst
+    out = collate_fn(shifted)
+    out["num_instances"] = torch.tensor(num_instances, dtype=torch.long)
+    return out

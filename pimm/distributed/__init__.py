@@ -1,0 +1,1 @@
+"""Multi-process plumbing: local process launch and rank-aware samplers."""

@@ -1,0 +1,80 @@
+"""``--num-gpus N``: start N local worker processes, torchrun-style.
+
+Each child re-runs the same script with ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so the code path is
+the one torchrun takes. The parent forwards pre-emption signals to every
+child and, if one child fails, stops the others instead of leaving them
+blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+__all__ = ["spawn_local", "free_port"]
+
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+EXIT_PREEMPTED = 75
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _aggregate(codes: list[int]) -> int:
+    if all(c == 0 for c in codes):
+        return 0
+    if all(c in (0, EXIT_PREEMPTED) for c in codes):
+        return EXIT_PREEMPTED
+    # Killed ranks (negative codes) are victims; report the rank that failed first-hand.
+    failures = [c for c in codes if c not in (0, EXIT_PREEMPTED) and c > 0]
+    if 2 in failures:
+        return 2
+    return failures[0] if failures else 1
+
+
+def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0) -> int:
+    """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks; return
+    the aggregate exit code (0, 75 when all stopped for pre-emption, else the failure)."""
+    port = free_port()
+    children = []
+    for rank in range(nprocs):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        children.append(subprocess.Popen([sys.executable, *command], env=env))
+
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {}
+    for name in _FORWARDED:
+        if hasattr(signal, name):
+            signum = getattr(signal, name)
+            previous[signum] = signal.signal(signum, forward)
+    try:
+        failed_at = None
+        while True:
+            codes = [child.poll() for child in children]
+            if all(c is not None for c in codes):
+                return _aggregate(codes)
+            failure = any(c not in (None, 0, EXIT_PREEMPTED) for c in codes)
+            if failure and failed_at is None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                # A failed rank leaves the others waiting in a collective forever.
+                for child in children:
+                    if child.poll() is None:
+                        child.kill()
+            time.sleep(0.1)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

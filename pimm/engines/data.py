@@ -1,0 +1,158 @@
+"""Building the data loaders the trainers iterate over.
+
+Training uses torchdata's ``StatefulDataLoader`` over a
+:class:`~pimm.distributed.sampler.StatefulRandomSampler`, so the position
+inside an epoch is part of the checkpoint. Randomness in data loading is
+made replayable without snapshotting worker RNGs: in a worker process, the
+global python/numpy/torch generators are re-seeded from each sample's
+:class:`SampleKey` before the sample is loaded (augmentations are then a
+function of ``(seed, epoch, index)`` only); in the main process
+(``num_workers=0``) loading shares the training RNG stream, which the
+checkpoint captures at every step boundary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import warnings
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulRandomSampler
+from pimm.utils.rng import derive_seed, seed_all
+
+__all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader"]
+
+# torchdata calls a deprecated torch API on every loader construction; the
+# warning is torchdata's to fix and says nothing to a pimm user.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+# Signals the main process turns into a checkpoint-and-exit; data workers must
+# survive them (a SLURM pre-emption signals the whole process group) so the
+# main process can still finish its last step and save.
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+
+
+class SeededDataset(Dataset):
+    """Map-style wrapper that takes :class:`SampleKey` indices (see module doc)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        if isinstance(key, SampleKey):
+            if get_worker_info() is not None:
+                seed_all(key.seed)
+            key = key.index
+        return self.dataset[key]
+
+    def __getattr__(self, name):
+        # Forward attributes such as ``class_names`` to the wrapped data set;
+        # guard "dataset" itself so unpickling does not recurse.
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def worker_init_fn(worker_id: int) -> None:
+    for name in _PREEMPTION_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    # Workers parallelise over processes; intra-op threads would oversubscribe.
+    torch.set_num_threads(1)
+
+
+_LOADERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def shutdown_loader(loader) -> None:
+    """Stop a loader's worker processes now (they ignore SIGTERM, see above)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
+
+
+@atexit.register
+def _kill_leftover_workers() -> None:
+    # Registered after multiprocessing's own exit handler, so it runs first:
+    # that handler SIGTERMs and joins daemonic children, and our workers
+    # ignore SIGTERM, so any still alive are killed here instead of waited for.
+    for loader in list(_LOADERS):
+        for worker in getattr(getattr(loader, "_iterator", None), "_workers", ()):
+            if worker.is_alive():
+                worker.kill()
+
+
+def _loader_generator(seed: int, rank: int, purpose: int) -> torch.Generator:
+    # A private generator keeps the loader's own draws (worker base seeds) off
+    # the global torch stream that the training step uses.
+    generator = torch.Generator()
+    generator.manual_seed(derive_seed(seed, rank, purpose))
+    return generator
+
+
+def build_train_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    collate_fn: Callable | None = None,
+    shuffle: bool = True,
+    snapshot_every_n_steps: int | None = None,
+    pin_memory: bool = False,
+) -> StatefulDataLoader:
+    """A resumable training loader for this rank. ``batch_size`` is per rank."""
+    common = dict(
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        worker_init_fn=worker_init_fn if num_workers > 0 else None,
+        persistent_workers=num_workers > 0,
+        generator=_loader_generator(seed, rank, 0),
+        snapshot_every_n_steps=snapshot_every_n_steps or 1_000_000_000,
+    )
+    if isinstance(dataset, IterableDataset):
+        loader = StatefulDataLoader(dataset, **common)
+    else:
+        sampler = StatefulRandomSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, shuffle=shuffle)
+        loader = StatefulDataLoader(SeededDataset(dataset), sampler=sampler, drop_last=True, **common)
+    _LOADERS.add(loader)
+    return loader
+
+
+def build_eval_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    collate_fn: Callable | None = None,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Each sample exactly once across ranks, in a fixed order."""
+    common = dict(batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+                  pin_memory=pin_memory, worker_init_fn=worker_init_fn if num_workers > 0 else None,
+                  generator=_loader_generator(seed, rank, 1))
+    if isinstance(dataset, IterableDataset):
+        loader = DataLoader(dataset, **common)
+    else:
+        sampler = ShardedEvalSampler(len(dataset), rank=rank, world_size=world_size, seed=seed)
+        loader = DataLoader(SeededDataset(dataset), sampler=sampler, **common)
+    _LOADERS.add(loader)
+    return loader

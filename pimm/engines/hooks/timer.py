@@ -1,0 +1,45 @@
+"""IterationTimer: data time, step time and ETA, kept in ``trainer.storage``."""
+
+from __future__ import annotations
+
+import time
+
+from pimm.engines.hooks.base import HookBase
+from pimm.engines.registries import HOOKS
+
+__all__ = ["IterationTimer"]
+
+
+@HOOKS.register_module()
+class IterationTimer(HookBase):
+    # Before the writers (NORMAL) so a log line at this step sees this step's timing.
+    priority = "HIGH"
+
+    def __init__(self, warmup_iter: int = 1):
+        self.warmup_iter = warmup_iter
+        self._step_start = 0.0
+        self._timed_steps = 0
+        self._timed_total = 0.0
+
+    def before_train(self):
+        self._train_start = time.perf_counter()
+
+    def before_step(self):
+        self._step_start = time.perf_counter()
+
+    def after_step(self):
+        trainer = self.trainer
+        step_time = time.perf_counter() - self._step_start
+        storage = trainer.storage
+        storage.put("step_time", step_time)
+        storage.put("data_time", trainer.comm_info.get("data_time", 0.0))
+        self._timed_steps += 1
+        if self._timed_steps > self.warmup_iter:  # the first steps pay for start-up
+            self._timed_total += step_time
+            mean = self._timed_total / (self._timed_steps - self.warmup_iter)
+            remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - trainer.iter
+            storage.put("eta_seconds", mean * remaining)
+
+    def after_train(self):
+        elapsed = time.perf_counter() - getattr(self, "_train_start", time.perf_counter())
+        self.trainer.logger.info(f"Training time: {elapsed:.1f}s for {self._timed_steps} step(s) in this process")

@@ -1,0 +1,24 @@
+"""ImageClassTrainer: dense ``(B, C, H, W)`` image batches.
+
+Images collate with torch's default collate (stacking), which the
+DefaultTrainer would also pick for a data set without its own
+``collate_fn``; this trainer makes the choice explicit and refuses a
+point-cloud collate by mistake.
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import default_collate
+
+from pimm.engines.default_trainer import DefaultTrainer
+from pimm.engines.registries import TRAINERS
+
+__all__ = ["ImageClassTrainer"]
+
+
+@TRAINERS.register_module()
+class ImageClassTrainer(DefaultTrainer):
+    def _resolve_collate(self, spec, dataset):
+        if spec is None:
+            return default_collate
+        return super()._resolve_collate(spec, dataset)

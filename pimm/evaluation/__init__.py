@@ -1,0 +1,28 @@
+"""Evaluation: metric functions (``pimm.evaluation.metrics``) used by evaluators."""
+
+from .metrics import (
+    adjusted_rand_index,
+    classification_scores,
+    confusion_matrix,
+    match_instances,
+    match_instances_per_class,
+    segmentation_scores,
+)
+
+__all__ = [
+    "adjusted_rand_index",
+    "classification_scores",
+    "confusion_matrix",
+    "match_instances",
+    "match_instances_per_class",
+    "segmentation_scores",
+]
+
+from .cls import ClsEvaluator  # noqa: E402  (registers the hook)
+
+__all__ += ["ClsEvaluator"]
+
+from .inseg import InsSegEvaluator  # noqa: E402  (registers the HOOKS entry)
+from .semseg import SemSegEvaluator  # noqa: E402
+
+__all__ += ["InsSegEvaluator", "SemSegEvaluator"]

@@ -1,0 +1,7 @@
+"""Models, plugged in through the ``MODELS`` registry."""
+
+from pimm.engines.registries import MODELS
+
+from . import instance, losses, ring_cnn, segmentors, sparse_unet  # noqa: F401  (register)
+
+__all__ = ["MODELS"]

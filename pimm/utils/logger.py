@@ -1,0 +1,32 @@
+"""The ``pimm`` logger: rank 0 writes ``save_path/train.log`` and the console;
+other ranks only report warnings and errors to the console."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["setup_logger"]
+
+_FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
+
+
+def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm") -> logging.Logger:
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    formatter = logging.Formatter(_FORMAT if rank == 0 else f"[rank{rank}] " + _FORMAT, "%Y-%m-%d %H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    console.setFormatter(formatter)
+    logger.addHandler(console)
+    if rank == 0 and save_path is not None:
+        Path(save_path).mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(Path(save_path) / "train.log", mode="a")
+        file_handler.setFormatter(formatter)
+        logger.addHandler(file_handler)
+    return logger

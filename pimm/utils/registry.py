@@ -1,0 +1,162 @@
+"""Name -> class registries, and building objects from ``dict(type=...)``.
+
+Every pluggable piece of pimm (trainers, hooks, models, datasets, transforms,
+optimizers, schedulers) lives in a :class:`Registry`, so a config can name it
+by string and a user can add their own with ``@REGISTRY.register_module()``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable, Iterable
+
+from .errors import RegistryError, UserError
+
+__all__ = ["Registry", "build_from_cfg"]
+
+
+class BuildError(RuntimeError):
+    """A registered constructor failed for a reason other than its arguments."""
+
+
+class Registry:
+    """A named mapping from type names to classes (or factory functions)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._modules: dict[str, Callable] = {}
+
+    def __repr__(self) -> str:
+        return f"Registry(name={self.name!r}, items={sorted(self._modules)})"
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._modules
+
+    def keys(self) -> list[str]:
+        return sorted(self._modules)
+
+    def _add(self, module: Callable, names: Iterable[str], force: bool) -> None:
+        if not callable(module):
+            raise TypeError(f"{self.name}: can only register classes or functions, got {module!r}")
+        for name in names:
+            existing = self._modules.get(name)
+            if existing is not None and existing is not module and not force:
+                raise KeyError(
+                    f"{name!r} is already registered in {self.name} "
+                    f"(by {existing.__module__}.{existing.__qualname__}); pass force=True to replace it"
+                )
+            self._modules[name] = module
+
+    def register_module(
+        self,
+        name: str | Iterable[str] | None = None,
+        force: bool = False,
+        module: Callable | None = None,
+    ):
+        """Register ``module`` under its own name, or ``name`` (a string or a list of
+        aliases). Use as ``@REG.register_module()``, ``@REG.register_module("Alias")``
+        or ``REG.register_module(module=cls)``."""
+        if callable(name) and module is None and not isinstance(name, str):
+            # Bare ``@REG.register_module`` without parentheses.
+            module, name = name, None
+
+        def names_for(obj: Callable) -> list[str]:
+            if name is None:
+                return [obj.__name__]
+            if isinstance(name, str):
+                return [name]
+            return list(name)
+
+        if module is not None:
+            self._add(module, names_for(module), force)
+            return module
+
+        def decorator(obj: Callable) -> Callable:
+            self._add(obj, names_for(obj), force)
+            return obj
+
+        return decorator
+
+    def get(self, name: str) -> Callable:
+        try:
+            return self._modules[name]
+        except KeyError:
+            raise RegistryError(self._unknown_message(name)) from None
+
+    def _unknown_message(self, name: str) -> str:
+        close = difflib.get_close_matches(str(name), self._modules, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else (
+            f"registered: {', '.join(sorted(self._modules)) or '(none)'}"
+        )
+        return (
+            f"unknown {self.name} type {name!r}; {hint} "
+            "(a class of your own must be registered and its module listed in custom_imports)"
+        )
+
+    def build(self, cfg: Any, default_args: dict | None = None) -> Any:
+        return build_from_cfg(cfg, self, default_args)
+
+
+def _describe_args(args: dict) -> str:
+    parts = []
+    for key, value in args.items():
+        text = repr(value).replace("\n", " ")
+        parts.append(f"{key}={text if len(text) <= 60 else text[:57] + '...'}")
+    return ", ".join(parts)
+
+
+def build_from_cfg(cfg: Any, registry: Registry, default_args: dict | None = None) -> Any:
+    """Build ``cfg['type'](**rest, **default_args)`` from ``registry``.
+
+    ``default_args`` fill in keys the config does not set. ``type`` may be a
+    registered name or a class/function itself."""
+    if not isinstance(cfg, dict):
+        raise RegistryError(f"{registry.name}: expected a dict(type=...), got {cfg!r}")
+    args = dict(cfg)
+    if "type" not in args:
+        raise RegistryError(f"{registry.name}: config {cfg!r} has no 'type' key")
+    for key, value in (default_args or {}).items():
+        args.setdefault(key, value)
+    obj_type = args.pop("type")
+    if isinstance(obj_type, str):
+        obj_cls = registry.get(obj_type)
+        type_name = obj_type
+    elif callable(obj_type):
+        obj_cls = obj_type
+        type_name = getattr(obj_type, "__name__", repr(obj_type))
+    else:
+        raise RegistryError(f"{registry.name}: 'type' must be a name or a class, got {obj_type!r}")
+
+    try:
+        return obj_cls(**args)
+    except UserError as err:
+        raise type(err)(f"{registry.name} {type_name}: {err}") from err
+    except TypeError as err:
+        # A TypeError raised by the call itself (not deeper) means the arguments
+        # do not fit the signature: that is the user's config.
+        if _is_signature_error(obj_cls, args):
+            raise RegistryError(
+                f"{registry.name} {type_name}({_describe_args(args)}): {err}"
+            ) from err
+        raise BuildError(f"{registry.name} {type_name}({_describe_args(args)}) failed: {err!r}") from err
+    except Exception as err:
+        raise BuildError(f"{registry.name} {type_name}({_describe_args(args)}) failed: {err!r}") from err
+
+
+def _is_signature_error(obj_cls: Callable, args: dict) -> bool:
+    try:
+        target = obj_cls.__init__ if inspect.isclass(obj_cls) else obj_cls
+        sig = inspect.signature(target)
+        if inspect.isclass(obj_cls):
+            sig.bind(None, **args)
+        else:
+            sig.bind(**args)
+    except TypeError:
+        return True
+    except ValueError:  # builtins without a signature
+        return True
+    return False
