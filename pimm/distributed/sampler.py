@@ -18,7 +18,7 @@ from torch.utils.data import Sampler
 
 from pimm.utils.rng import derive_seed
 
-__all__ = ["SampleKey", "StatefulRandomSampler", "ShardedEvalSampler"]
+__all__ = ["SampleKey", "StatefulRandomSampler", "RatioSampler", "ShardedEvalSampler"]
 
 
 class SampleKey(NamedTuple):
@@ -31,18 +31,19 @@ class _PositionIterator:
 
     def __init__(self, sampler: "StatefulRandomSampler"):
         self.sampler = sampler
-        self.indices = sampler.epoch_indices()
+        self.order = sampler.global_order()
+        self.positions = sampler.rank_positions()
         self.yielded = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> SampleKey:
-        if self.yielded >= len(self.indices):
+        if self.yielded >= len(self.positions):
             raise StopIteration
-        index = self.indices[self.yielded]
+        position = self.positions[self.yielded]
         self.yielded += 1
-        return SampleKey(index, self.sampler.sample_seed(index))
+        return SampleKey(self.order[position], self.sampler.sample_seed(position))
 
     def state_dict(self) -> dict:
         return {"yielded": self.yielded}
@@ -54,16 +55,18 @@ class _PositionIterator:
 class StatefulRandomSampler(Sampler[SampleKey]):
     """Shuffled (or sequential) sampling over ``num_samples`` items for one rank.
 
-    Epoch ``e`` uses the permutation seeded by ``(seed, e)``; the first
-    ``start`` positions of it are skipped (set when a run resumes with a
-    different layout), and the rest is dealt round-robin to the ranks, each
-    rank getting the same number of samples (the uneven tail is dropped).
+    Epoch ``e`` uses the order seeded by ``(seed, e)``; the first ``start``
+    positions of it are skipped (set when a run resumes with a different
+    layout), and the rest is dealt round-robin to the ranks, each rank getting
+    the same number of samples (the uneven tail is dropped). A sample's seed
+    derives from its position in the global order, so it is the same for any
+    world size.
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True):
         if num_samples <= 0:
-            raise ValueError(f"StatefulRandomSampler needs a non-empty data set, got {num_samples} samples")
+            raise ValueError(f"{type(self).__name__} needs a non-empty data set, got {num_samples} samples")
         self.num_samples = int(num_samples)
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -72,39 +75,92 @@ class StatefulRandomSampler(Sampler[SampleKey]):
         self.epoch = 0
         self.start = 0
 
+    @property
+    def epoch_length(self) -> int:
+        """Positions in one epoch's global order (all ranks together)."""
+        return self.num_samples
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch = int(epoch)
         self.start = int(start)
 
-    def sample_seed(self, index: int) -> int:
-        return derive_seed(self.seed, self.epoch, index)
+    def sample_seed(self, position: int) -> int:
+        return derive_seed(self.seed, self.epoch, position)
 
-    def epoch_indices(self) -> list[int]:
+    def epoch_generator(self) -> torch.Generator:
+        generator = torch.Generator()
+        generator.manual_seed(derive_seed(self.seed, self.epoch))
+        return generator
+
+    def global_order(self) -> list[int]:
+        """Data-set indices of this epoch, position by position (same on every rank)."""
         if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(derive_seed(self.seed, self.epoch))
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
-        else:
-            order = list(range(self.num_samples))
-        share = (self.num_samples - self.start) // self.world_size
-        return order[self.start + self.rank:: self.world_size][:share]
+            return torch.randperm(self.num_samples, generator=self.epoch_generator()).tolist()
+        return list(range(self.num_samples))
+
+    def rank_positions(self) -> range:
+        share = len(self)
+        return range(self.start + self.rank, self.start + share * self.world_size, self.world_size)
 
     def __iter__(self) -> Iterator[SampleKey]:
         return _PositionIterator(self)
 
     def __len__(self) -> int:
-        return (self.num_samples - self.start) // self.world_size
+        return max(0, self.epoch_length - self.start) // self.world_size
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "start": self.start, "seed": self.seed,
-                "num_samples": self.num_samples, "world_size": self.world_size}
+                "epoch_length": self.epoch_length, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_samples"] != self.num_samples or state["world_size"] != self.world_size:
-            raise ValueError("sampler state was saved for another data set size or world size")
+        if state["epoch_length"] != self.epoch_length or state["world_size"] != self.world_size:
+            raise ValueError("sampler state was saved for another epoch length or world size")
         self.epoch = int(state["epoch"])
         self.start = int(state["start"])
         self.seed = int(state["seed"])
+
+
+class RatioSampler(StatefulRandomSampler):
+    """Mixes several data sets (concatenated, ``sizes`` in order) with sampling
+    ``ratios`` into epochs of a fixed ``samples_per_epoch``.
+
+    Each position draws its data set from the ratios; inside a data set,
+    samples come from a per-epoch permutation, reshuffled when exhausted, so
+    every sample of a small data set is used before any repeats."""
+
+    def __init__(self, sizes: list[int], ratios: list[float], samples_per_epoch: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0):
+        if len(sizes) != len(ratios) or not sizes:
+            raise ValueError(f"got {len(sizes)} data sets but {len(ratios)} ratios")
+        if any(r < 0 for r in ratios) or sum(ratios) <= 0:
+            raise ValueError(f"ratios must be non-negative with a positive sum, got {list(ratios)}")
+        if any(n <= 0 for n in sizes):
+            raise ValueError(f"every data set must be non-empty, got sizes {list(sizes)}")
+        super().__init__(sum(sizes), rank=rank, world_size=world_size, seed=seed)
+        self.sizes = list(sizes)
+        self.ratios = [r / sum(ratios) for r in ratios]
+        self.samples_per_epoch = int(samples_per_epoch)
+
+    @property
+    def epoch_length(self) -> int:
+        return self.samples_per_epoch
+
+    def global_order(self) -> list[int]:
+        generator = self.epoch_generator()
+        choice = torch.multinomial(torch.tensor(self.ratios, dtype=torch.float64), self.samples_per_epoch,
+                                   replacement=True, generator=generator)
+        offsets = [0]
+        for size in self.sizes[:-1]:
+            offsets.append(offsets[-1] + size)
+        order = torch.empty(self.samples_per_epoch, dtype=torch.int64)
+        for d, size in enumerate(self.sizes):
+            slots = (choice == d).nonzero().flatten()
+            if len(slots) == 0:
+                continue
+            rounds = -(-len(slots) // size)
+            perms = torch.cat([torch.randperm(size, generator=generator) for _ in range(rounds)])
+            order[slots] = perms[: len(slots)] + offsets[d]
+        return order.tolist()
 
 
 class ShardedEvalSampler(Sampler[SampleKey]):

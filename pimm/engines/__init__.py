@@ -12,6 +12,8 @@ from pimm.engines.hooks import HookBase, EvaluatorBase
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.default_trainer import DefaultTrainer
 from pimm.engines.image_class_trainer import ImageClassTrainer
+from pimm.engines.inseg_trainer import InsegTrainer
+from pimm.engines.multi_dataset_trainer import MultiDatasetTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",
-           "TrainerBase", "DefaultTrainer", "ImageClassTrainer", "HookBase", "EvaluatorBase"]
+           "TrainerBase", "DefaultTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase", "EvaluatorBase"]

@@ -113,8 +113,10 @@ def build_train_loader(
     shuffle: bool = True,
     snapshot_every_n_steps: int | None = None,
     pin_memory: bool = False,
+    sampler: StatefulRandomSampler | None = None,
 ) -> StatefulDataLoader:
-    """A resumable training loader for this rank. ``batch_size`` is per rank."""
+    """A resumable training loader for this rank. ``batch_size`` is per rank;
+    ``sampler`` replaces the default shuffled :class:`StatefulRandomSampler`."""
     common = dict(
         batch_size=batch_size,
         num_workers=num_workers,
@@ -128,7 +130,9 @@ def build_train_loader(
     if isinstance(dataset, IterableDataset):
         loader = StatefulDataLoader(dataset, **common)
     else:
-        sampler = StatefulRandomSampler(len(dataset), rank=rank, world_size=world_size, seed=seed, shuffle=shuffle)
+        if sampler is None:
+            sampler = StatefulRandomSampler(len(dataset), rank=rank, world_size=world_size, seed=seed,
+                                            shuffle=shuffle)
         loader = StatefulDataLoader(SeededDataset(dataset), sampler=sampler, drop_last=True, **common)
     _LOADERS.add(loader)
     return loader

@@ -228,13 +228,15 @@ class DefaultTrainer(TrainerBase):
         return DATASETS.build(data_cfg[split])
 
     def build_train_loader(self):
-        dataset = self._build_dataset("train")
+        return self._make_train_loader(self._build_dataset("train"))
+
+    def _make_train_loader(self, dataset, sampler=None):
         interval = self._checkpoint_interval * self.grad_accum_steps if self._checkpoint_interval else None
         return data_lib.build_train_loader(
             dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
             seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
             collate_fn=self._resolve_collate(self.options["collate_fn"], dataset),
-            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda",
+            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
         )
 
     def _build_eval_loader(self, split: str):

@@ -1,0 +1,73 @@
+"""Helpers to write configs and run ``tools/train.py`` / ``tools/test.py`` as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SUPPORT = Path(__file__).resolve().parent
+
+TOY_CONFIG = '''
+_base_ = {base!r}
+custom_imports = ["tests.support.toy"]
+save_path = {save_path!r}
+epoch = 3
+batch_size = 16
+num_worker = 0
+model = dict(type="ToyMLP", dropout=0.1)
+data = dict(
+    train=dict(type="ToyDataset", num_samples=160, noise_aug=0.1),
+    val=dict(type="ToyDataset", num_samples=64, seed=1),
+    test=dict(type="ToyDataset", num_samples=64, seed=2),
+)
+optimizer = dict(type="AdamW", lr=0.01)
+scheduler = dict(type="CosineWarmupLR", warmup_ratio=0.1)
+hooks = [
+    dict(type="CheckpointLoader"),
+    dict(type="IterationTimer", warmup_iter=1),
+    dict(type="InformationWriter", log_frequency=4),
+    dict(type="ClsEvaluator", num_classes=2),
+    dict(type="CheckpointSaver", save_freq=5),
+]
+'''
+
+
+def write_toy_config(directory: Path, save_path: Path, extra: str = "") -> Path:
+    path = Path(directory) / "toy_cfg.py"
+    base = str(ROOT / "configs" / "_base_" / "default_runtime.py")
+    path.write_text(TOY_CONFIG.format(base=base, save_path=str(save_path)) + extra)
+    return path
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = os.pathsep.join([str(ROOT), out.get("PYTHONPATH", "")])
+    out["OMP_NUM_THREADS"] = "1"
+    out["WANDB_MODE"] = "offline"
+    out.pop("PIMM_DEBUG", None)
+    return out
+
+
+def run_tool(tool: str, config: Path, *options: str, num_gpus: int = 1, timeout: float = 300,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tools" / f"{tool}.py"), "--config-file", str(config)]
+    if num_gpus != 1:
+        cmd += ["--num-gpus", str(num_gpus)]
+    if options:
+        cmd += ["--options", *options]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=cwd or ROOT)
+
+
+def train_losses(save_path: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in open(Path(save_path) / "metrics.jsonl")]
+    return [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+
+
+def final_weights(save_path: Path) -> dict:
+    return torch.load(Path(save_path) / "model" / "model_last.pth", weights_only=True)
