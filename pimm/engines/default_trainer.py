@@ -21,83 +21,20 @@ from pimm.engines import data as data_lib
 from pimm.engines.checkpoint import CheckpointManager
 from pimm.engines.optim import build_optimizer
 from pimm.engines.preemption import PreemptionWatcher
+from pimm.engines.hooks.base import build_hooks
 from pimm.engines.hooks.evaluator import EvaluatorBase
-from pimm.engines.resume import flatten_config, load_weights
-from pimm.engines.registries import COLLATE_FNS, DATASETS, HOOKS, MODELS, TRAINERS
+from pimm.engines.participants import HooksParticipant, MetaParticipant, RNGParticipant
+from pimm.engines.resume import load_weights
+from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS, TRAINERS
 from pimm.engines.scheduler import build_scheduler
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.writers import MetricsWriter
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import set_aside
-from pimm.utils.rng import capture_rng_state, derive_seed, restore_rng_state, seed_all
+from pimm.utils.rng import derive_seed, seed_all
 
-__all__ = ["DefaultTrainer", "build_hooks"]
-
-
-class _RNGParticipant:
-    """The process's RNG streams as a checkpoint participant."""
-
-    def state_dict(self) -> dict:
-        return capture_rng_state()
-
-    def load_state_dict(self, state: dict) -> None:
-        restore_rng_state(state)
-
-
-class _MetaParticipant:
-    """What a resume compares against: the config and the schedule length."""
-
-    def __init__(self, trainer: "DefaultTrainer"):
-        self.meta = {"config_flat": flatten_config(trainer.cfg), "iters_per_epoch": trainer.iters_per_epoch,
-                     "total_steps": trainer.iters_per_epoch * trainer.max_epoch}
-
-    def state_dict(self) -> dict:
-        return self.meta
-
-    def load_state_dict(self, state: dict) -> None:
-        pass  # read by the resume logic, not restored
-
-
-class _HooksParticipant:
-    """All hooks' states, matched back by position and type."""
-
-    def __init__(self, trainer: TrainerBase):
-        self.trainer = trainer
-
-    def state_dict(self) -> list:
-        return [{"type": type(h).__name__, "state": h.state_dict()} for h in self.trainer.hooks]
-
-    def load_state_dict(self, states: list) -> None:
-        hooks = self.trainer.hooks
-        if [s["type"] for s in states] != [type(h).__name__ for h in hooks]:
-            self.trainer.logger.warning(
-                "The hooks differ from the checkpoint's; restoring hook states by type in order of appearance"
-            )
-            by_type: dict[str, list] = {}
-            for s in states:
-                by_type.setdefault(s["type"], []).append(s["state"])
-            for hook in hooks:
-                queue = by_type.get(type(hook).__name__)
-                if queue:
-                    hook.load_state_dict(queue.pop(0))
-            return
-        for hook, s in zip(hooks, states):
-            hook.load_state_dict(s["state"])
-
-
-def build_hooks(hook_cfgs) -> list:
-    hooks = []
-    for index, hook_cfg in enumerate(hook_cfgs):
-        if not isinstance(hook_cfg, dict):
-            raise ConfigError(f"hooks[{index}] must be a dict(type=...), got {hook_cfg!r}")
-        hook_cfg = dict(hook_cfg)
-        priority = hook_cfg.pop("priority", None)
-        hook = HOOKS.build(hook_cfg)
-        if priority is not None:
-            hook.priority = priority
-        hooks.append(hook)
-    return hooks
+__all__ = ["DefaultTrainer"]
 
 
 @TRAINERS.register_module()
@@ -325,10 +262,10 @@ class DefaultTrainer(TrainerBase):
         manager.register("scaler", self.scaler)
         manager.register("train_state", self.train_state)
         manager.register("writer", self.writer)
-        manager.register("meta", _MetaParticipant(self))
-        manager.register("rng", _RNGParticipant(), per_rank=True)
+        manager.register("meta", MetaParticipant(self))
+        manager.register("rng", RNGParticipant(), per_rank=True)
         manager.register("loader", self.train_loader, per_rank=True)
-        manager.register("hooks", _HooksParticipant(self), per_rank=True)
+        manager.register("hooks", HooksParticipant(self), per_rank=True)
         return manager
 
     # -- the loop -----------------------------------------------------------

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HookBase", "PRIORITIES", "get_priority"]
+from pimm.engines.registries import HOOKS
+from pimm.utils.errors import ConfigError
+
+__all__ = ["HookBase", "PRIORITIES", "get_priority", "build_hooks"]
 
 PRIORITIES = {
     "HIGHEST": 0,
@@ -88,3 +91,22 @@ class HookBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority={self.priority})"
+
+
+def build_hooks(hook_cfgs) -> list[HookBase]:
+    """Build the config's ``hooks`` list. A ``priority`` key is taken here and
+    set on the hook; the constructor never sees it."""
+    hooks = []
+    for index, hook_cfg in enumerate(hook_cfgs):
+        if not isinstance(hook_cfg, dict):
+            raise ConfigError(f"hooks[{index}] must be a dict(type=...), got {hook_cfg!r}")
+        hook_cfg = dict(hook_cfg)
+        priority = hook_cfg.pop("priority", None)
+        hook = HOOKS.build(hook_cfg)
+        if priority is not None:
+            try:
+                hook.priority = get_priority(priority)
+            except ValueError as err:
+                raise ConfigError(f"hooks[{index}] ({hook_cfg['type']}): {err}") from None
+        hooks.append(hook)
+    return hooks
