@@ -117,6 +117,50 @@ scheduler = dict(type="CosineWarmupLR", warmup_ratio={warmup})
 """
 
 
+def _drop_hooks(*names: str):
+    def edit(cfg) -> None:
+        cfg.hooks = [h for h in cfg.hooks if h["type"] not in names]
+    return edit
+
+
+def _plain_loader(trainer) -> None:
+    # The epoch's batches from torch's DataLoader(shuffle=True) instead of the
+    # resumable StatefulDataLoader + StatefulRandomSampler + SeededDataset.
+    dataset = trainer.train_loader.dataset.dataset
+    trainer.train_loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, drop_last=True,
+                                      generator=torch.Generator())
+
+
+def _no_edit(_) -> None:
+    pass
+
+
+def _both(*steps):
+    def apply(target) -> None:
+        for step in steps:
+            step(target)
+    return apply
+
+
+def _set(key: str, value):
+    def edit(cfg) -> None:
+        cfg[key] = value
+    return edit
+
+
+# variant -> (config edit before build, trainer patch after build). Bench-only
+# switches that attribute pimm's per-step time to its components (--ablate).
+ABLATIONS = {
+    "default": (_no_edit, _no_edit),
+    "no_tensorboard": (_set("enable_tensorboard", False), _no_edit),
+    "no_InformationWriter": (_drop_hooks("InformationWriter"), _no_edit),
+    "no_IterationTimer": (_drop_hooks("IterationTimer"), _no_edit),
+    "plain_DataLoader": (_no_edit, _plain_loader),
+    "no_hooks+plain_DataLoader": (_drop_hooks("CheckpointLoader", "IterationTimer", "InformationWriter",
+                                              "ProgressBar", "CheckpointSaver"), _plain_loader),
+}
+
+
 def lr_factor(step: int, total: int = STEPS) -> float:
     """The same schedule as pimm's CosineWarmupLR(warmup_ratio=WARMUP_RATIO), written out."""
     warmup = round(WARMUP_RATIO * total)
@@ -155,8 +199,9 @@ def run_raw(seed: int) -> dict:
     return {"loop": loop}
 
 
-def build_pimm(workdir: Path, tag: str, seed: int):
-    """A DefaultTrainer built from a config file, as tools/train.py would build it."""
+def build_pimm(workdir: Path, tag: str, seed: int, variant: str = "default"):
+    """A DefaultTrainer built from a config file, as tools/train.py would build it
+    (``variant`` other than "default": one component switched off, see ABLATIONS)."""
     save_path = workdir / tag
     cfg_file = workdir / f"{tag}_cfg.py"
     cfg_file.write_text(CONFIG.format(
@@ -164,16 +209,20 @@ def build_pimm(workdir: Path, tag: str, seed: int):
         batch=BATCH, in_dim=IN_DIM, hidden=HIDDEN, classes=NUM_CLASSES, samples=STEPS * BATCH, lr=LR,
         wd=WEIGHT_DECAY, warmup=WARMUP_RATIO))
     cfg = load_config(str(cfg_file), [], world_size=1)
+    ABLATIONS[variant][0](cfg)
     # train.log as the CLI writes it, minus the console copy (it would flood this output).
     logger = setup_logger(cfg.save_path, rank=0)
     for handler in list(logger.handlers):
         if not isinstance(handler, logging.FileHandler):
             logger.removeHandler(handler)
-    return build_trainer(cfg)
+    trainer = build_trainer(cfg)
+    ABLATIONS[variant][1](trainer)
+    return trainer
 
 
-def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None) -> dict:
-    trainer = build_pimm(workdir, tag, seed)
+def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None,
+             variant: str = "default") -> dict:
+    trainer = build_pimm(workdir, tag, seed, variant)
     timing = {}
     inner = trainer.run_epoch
 
@@ -197,7 +246,8 @@ def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | No
     timing["total"] = time.perf_counter() - start
     save_path = Path(trainer.cfg.save_path)
     timing["checkpoints"] = sorted(p.name for p in (save_path / "checkpoints").glob("step*"))
-    records = [json.loads(line) for line in open(save_path / "metrics.jsonl")]
+    metrics = save_path / "metrics.jsonl"
+    records = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
     timing["losses"] = [r["train/loss"] for r in records if "train/loss" in r]
     timing["lrs"] = [r["train/lr"] for r in records if "train/lr" in r]
     del trainer
@@ -229,10 +279,28 @@ def profile_pimm(workdir: Path, top: int = 25) -> None:
     stats.sort_stats("tottime").print_stats(20)
 
 
+def ablate(workdir: Path, rounds: int) -> None:
+    """Each variant alternated with the raw loop; the ratio drop from "default"
+    is what the switched-off component costs per step."""
+    print(f"\n# ablation ({rounds} alternating rounds per variant; ratio = variant / raw, medians)")
+    base_ratio = None
+    for variant in ABLATIONS:
+        ratios = []
+        for r in range(rounds):
+            raw = run_raw(r + 1)["loop"]
+            ratios.append(run_pimm(workdir, f"{variant}{r}", r + 1, variant=variant)["loop"] / raw)
+        ratio = statistics.median(ratios)
+        base_ratio = ratio if base_ratio is None else base_ratio
+        print(f"{variant:28s} ratio {ratio:.3f}  (saves {base_ratio - ratio:+.3f} of raw step time)  "
+              f"rounds: {' '.join(f'{x:.2f}' for x in ratios)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each loop (alternating)")
     parser.add_argument("--profile", action="store_true", help="also cProfile one pimm epoch loop")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also time pimm with single components switched off (attribution)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="pimm-bench-") as tmp:
@@ -261,6 +329,8 @@ def main() -> None:
               f" = {statistics.median(total_ms) / STEPS:.3f} ms/step amortised")
         print(f"min over rounds: raw {min(raw_ms):.3f} pimm {min(pimm_ms):.3f} ratio {min(pimm_ms) / min(raw_ms):.3f}")
         print(f"raw_ms_per_step={raw_med:.4f} pimm_ms_per_step={pimm_med:.4f} overhead_ratio={pimm_med / raw_med:.4f}")
+        if args.ablate:
+            ablate(workdir, max(3, args.rounds // 2))
         if args.profile:
             profile_pimm(workdir)
 

@@ -11,7 +11,7 @@ any worker, on any rank, after any resume.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -21,29 +21,41 @@ from pimm.utils.rng import derive_seed
 __all__ = ["SampleKey", "StatefulRandomSampler", "RatioSampler", "ShardedEvalSampler"]
 
 
-class SampleKey(NamedTuple):
-    index: int
-    seed: int
+class SampleKey(tuple):
+    """``(index, seed)``. A plain tuple subclass without fields: the sampler
+    makes one per sample, so construction cost matters."""
+
+    __slots__ = ()
+
+    @property
+    def index(self) -> int:
+        return self[0]
+
+    @property
+    def seed(self) -> int:
+        return self[1]
 
 
 class _PositionIterator:
-    """Iterator over this rank's share of one epoch; its state is its position."""
+    """Iterator over this rank's share of one epoch; its state is its position.
+
+    The share is materialised once per epoch so ``__next__`` stays a list
+    lookup: the loader calls it once per sample."""
 
     def __init__(self, sampler: "StatefulRandomSampler"):
-        self.sampler = sampler
-        self.order = sampler.global_order()
-        self.positions = sampler.rank_positions()
+        self.items = sampler.rank_items()
         self.yielded = 0
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> SampleKey:
-        if self.yielded >= len(self.positions):
-            raise StopIteration
-        position = self.positions[self.yielded]
+    def __next__(self):
+        try:
+            item = self.items[self.yielded]
+        except IndexError:
+            raise StopIteration from None
         self.yielded += 1
-        return SampleKey(self.order[position], self.sampler.sample_seed(position))
+        return item
 
     def state_dict(self) -> dict:
         return {"yielded": self.yielded}
@@ -64,7 +76,7 @@ class StatefulRandomSampler(Sampler[SampleKey]):
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, with_seeds: bool = True):
         if num_samples <= 0:
             raise ValueError(f"{type(self).__name__} needs a non-empty data set, got {num_samples} samples")
         self.num_samples = int(num_samples)
@@ -72,8 +84,13 @@ class StatefulRandomSampler(Sampler[SampleKey]):
         self.world_size = int(world_size)
         self.seed = int(seed)
         self.shuffle = shuffle
+        # Seeds are only needed where samples load in worker processes; a
+        # single-process loader shares (and checkpoints) the main RNG streams.
+        self.with_seeds = with_seeds
         self.epoch = 0
         self.start = 0
+        self._seed_epoch = None
+        self._epoch_seed = 0
 
     @property
     def epoch_length(self) -> int:
@@ -85,7 +102,12 @@ class StatefulRandomSampler(Sampler[SampleKey]):
         self.start = int(start)
 
     def sample_seed(self, position: int) -> int:
-        return derive_seed(self.seed, self.epoch, position)
+        # One hash per epoch, then an offset: a per-sample hash would cost
+        # more than the rest of the sampler on small, fast data sets.
+        if self._seed_epoch != (self.seed, self.epoch):
+            self._seed_epoch = (self.seed, self.epoch)
+            self._epoch_seed = derive_seed(self.seed, self.epoch, -7)
+        return (self._epoch_seed + position) & ((1 << 63) - 1)
 
     def epoch_generator(self) -> torch.Generator:
         generator = torch.Generator()
@@ -101,6 +123,16 @@ class StatefulRandomSampler(Sampler[SampleKey]):
     def rank_positions(self) -> range:
         share = len(self)
         return range(self.start + self.rank, self.start + share * self.world_size, self.world_size)
+
+    def rank_items(self) -> list:
+        """This rank's samples for the epoch: indices, or :class:`SampleKey` when seeds are needed."""
+        order = self.global_order()
+        positions = self.rank_positions()
+        if not self.with_seeds:
+            return [order[p] for p in positions]
+        base = self.sample_seed(0)
+        mask = (1 << 63) - 1
+        return [SampleKey((order[p], (base + p) & mask)) for p in positions]
 
     def __iter__(self) -> Iterator[SampleKey]:
         return _PositionIterator(self)
@@ -129,14 +161,14 @@ class RatioSampler(StatefulRandomSampler):
     every sample of a small data set is used before any repeats."""
 
     def __init__(self, sizes: list[int], ratios: list[float], samples_per_epoch: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0):
+                 world_size: int = 1, seed: int = 0, with_seeds: bool = True):
         if len(sizes) != len(ratios) or not sizes:
             raise ValueError(f"got {len(sizes)} data sets but {len(ratios)} ratios")
         if any(r < 0 for r in ratios) or sum(ratios) <= 0:
             raise ValueError(f"ratios must be non-negative with a positive sum, got {list(ratios)}")
         if any(n <= 0 for n in sizes):
             raise ValueError(f"every data set must be non-empty, got sizes {list(sizes)}")
-        super().__init__(sum(sizes), rank=rank, world_size=world_size, seed=seed)
+        super().__init__(sum(sizes), rank=rank, world_size=world_size, seed=seed, with_seeds=with_seeds)
         self.sizes = list(sizes)
         self.ratios = [r / sum(ratios) for r in ratios]
         self.samples_per_epoch = int(samples_per_epoch)
@@ -172,7 +204,7 @@ class ShardedEvalSampler(Sampler[SampleKey]):
 
     def __iter__(self) -> Iterator[SampleKey]:
         for i in range(self.rank, self.num_samples, self.world_size):
-            yield SampleKey(i, derive_seed(self.seed, -1, i))
+            yield SampleKey((i, derive_seed(self.seed, -1, i)))
 
     def __len__(self) -> int:
         return len(range(self.rank, self.num_samples, self.world_size))

@@ -48,10 +48,10 @@ class SeededDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        if isinstance(key, SampleKey):
+        if type(key) is SampleKey:
             if get_worker_info() is not None:
-                seed_all(key.seed)
-            key = key.index
+                seed_all(key[1])
+            key = key[0]
         return self.dataset[key]
 
     def __getattr__(self, name):
@@ -132,7 +132,7 @@ def build_train_loader(
     else:
         if sampler is None:
             sampler = StatefulRandomSampler(len(dataset), rank=rank, world_size=world_size, seed=seed,
-                                            shuffle=shuffle)
+                                            shuffle=shuffle, with_seeds=num_workers > 0)
         loader = StatefulDataLoader(SeededDataset(dataset), sampler=sampler, drop_last=True, **common)
     _LOADERS.add(loader)
     return loader

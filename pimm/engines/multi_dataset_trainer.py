@@ -50,5 +50,6 @@ class MultiDatasetTrainer(DefaultTrainer):
             raise ConfigError(f"train.samples_per_epoch={length!r} must be an integer >= batch_size "
                               f"({self.cfg.batch_size})")
         sampler = RatioSampler([len(d) for d in datasets], list(ratios), length, rank=self.rank,
-                               world_size=self.world_size, seed=self.cfg.seed)
+                               world_size=self.world_size, seed=self.cfg.seed,
+                               with_seeds=self.num_workers_per_rank > 0)
         return self._make_train_loader(_Mixture(datasets), sampler=sampler)
