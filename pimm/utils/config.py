@@ -11,29 +11,35 @@ file reproduces the run. The user-facing rules are in ``docs/config.md``.
 from __future__ import annotations
 
 import ast
-import builtins
 import copy
 import difflib
 import importlib
-import keyword
-import math
 import os
-import re
 import sys
 import traceback
 import types
 from pathlib import Path
 from typing import Any, Iterable
 
+from .config_dump import _CONFIG_MODULE, _to_source
 from .errors import ConfigError
 
-__all__ = ["Config", "ConfigDict", "ConfigError", "apply_option", "parse_options", "parse_value"]
+__all__ = ["Config", "ConfigDict", "ConfigError"]
+
+
+def __getattr__(name: str):
+    # The option helpers live in config_options (which imports ConfigDict from
+    # here); keep them importable from pimm.utils.config as before.
+    if name in ("apply_option", "parse_options", "parse_value"):
+        from . import config_options
+
+        return getattr(config_options, name)
+    raise AttributeError(name)
+
 
 BASE_KEY = "_base_"
 DELETE_KEY = "_delete_"
 IMPORTS_KEY = "custom_imports"
-# ``__name__`` of an executing config file; objects defined there cannot be imported back.
-_CONFIG_MODULE = "__pimm_config__"
 
 
 def _convert(value: Any) -> Any:
@@ -150,6 +156,8 @@ class Config(ConfigDict):
     def merge_from_options(self, tokens: Iterable[str] | None) -> None:
         """Apply ``--options`` tokens (``key=value``, ``+key=value``) in order.
         All tokens are parsed before any is applied."""
+        from .config_options import apply_option, parse_options  # needs ConfigDict from here
+
         for key, value, is_new in parse_options(tokens):
             apply_option(self, key, value, is_new)
 
@@ -314,244 +322,3 @@ def _merge_layer(base: dict, child: dict) -> dict:
     if imports:
         merged[IMPORTS_KEY] = imports
     return merged
-
-
-# --------------------------------------------------------------------------- --options
-
-_OPTION_FORM = "expected key=value, e.g. optimizer.lr=0.01, hooks.2.save_freq=50 or +new_key=1"
-_INT = re.compile(r"-?\d+")
-_CALL = re.compile(r"[A-Za-z_][\w.]*\s*\(")
-_NOT_PYTHON = {"true": "True", "false": "False", "none": "None", "null": "None"}
-
-
-def parse_value(text: str, key: str = "value") -> Any:
-    """A Python literal, or the text itself if it is a bare word such as
-    ``exp/run1``; never evaluated as code."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as err:
-        stripped = text.strip()
-        if _CALL.search(stripped):
-            reason = "calls like name(...) are not allowed"
-        elif stripped and stripped[0] in "[({'\"":
-            reason = err.msg if isinstance(err, SyntaxError) else "it is not a valid literal"
-        elif stripped.lower() in _NOT_PYTHON:
-            raise ConfigError(
-                f"bad value in --options {key}={text}: write {_NOT_PYTHON[stripped.lower()]} "
-                f"(Python), or {key}='\"{text}\"' for the string"
-            ) from None
-        else:
-            return text
-        raise ConfigError(
-            f"bad value in --options {key}={text}: {reason}; values are Python literals "
-            "(int, float, bool, None, 'str', [list], (tuple,), {'dict': 1}) and are never run as code"
-        ) from None
-
-
-def parse_options(tokens: Iterable[str] | None) -> list[tuple[str, Any, bool]]:
-    """``["a.b=1", "+c=x"]`` -> ``[("a.b", 1, False), ("c", "x", True)]``."""
-    parsed = []
-    for token in tokens or []:
-        key, sep, text = str(token).partition("=")
-        is_new = key.startswith("+")
-        key = key[1:].strip() if is_new else key.strip()
-        if not sep or not key or "" in key.split("."):
-            hint = "" if sep else " (quote values that contain spaces so they stay one word)"
-            raise ConfigError(f"bad --options entry {token!r}: {_OPTION_FORM}{hint}")
-        parsed.append((key, parse_value(text, key), is_new))
-    return parsed
-
-
-def _type_name(value: Any) -> Any:
-    t = value.get("type") if isinstance(value, dict) else None
-    return t if isinstance(t, str) or t is None else getattr(t, "__name__", t)
-
-
-def _config_paths(node: Any, prefix: str = "") -> list[str]:
-    """Every dotted path an option could name: keys, list indices and hook types."""
-    out: list[str] = []
-    if isinstance(node, dict):
-        children = [(str(k), v) for k, v in node.items()]
-    elif isinstance(node, (list, tuple)):
-        children = [(str(i), v) for i, v in enumerate(node)]
-        children += [(str(_type_name(v)), v) for v in node if isinstance(_type_name(v), str)]
-    else:
-        return out
-    for name, child in children:
-        path = f"{prefix}.{name}" if prefix else name
-        out += [path, *_config_paths(child, path)]
-    return list(dict.fromkeys(out))
-
-
-def _list_indices(node: list | tuple, seg: str, key: str, path: str) -> list[int]:
-    if _INT.fullmatch(seg):
-        index = int(seg)
-        if not -len(node) <= index < len(node):
-            raise ConfigError(f"--options {key}: index {index} is out of range for '{path}' (a list of length {len(node)})")
-        return [index % len(node)]
-    matches = [i for i, v in enumerate(node) if _type_name(v) == seg]
-    if not matches:
-        present = sorted({str(t) for t in map(_type_name, node) if t is not None})
-        raise ConfigError(
-            f"--options {key}: no entry of '{path}' has type {seg!r}; "
-            f"types present: {', '.join(present) or '(none)'}; or use an index 0..{len(node) - 1}"
-        )
-    return matches
-
-
-def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> None:
-    """Set dotted ``key`` to ``value``. A non-integer segment on a list selects
-    every dict entry whose ``type`` equals it. Without ``is_new`` the key must
-    exist (in at least one selected entry); with it, missing parents are created
-    as dicts. Each target gets its own copy of ``value``."""
-    segments = key.split(".")
-    targets: list[tuple[Any, str]] = [(cfg, "")]
-    for depth, seg in enumerate(segments):
-        last = depth == len(segments) - 1
-        following: list[tuple[Any, str]] = []
-        missing: list[tuple[dict, str]] = []
-        for node, path in targets:
-            here = f"{path}.{seg}" if path else seg
-            if isinstance(node, dict):
-                name = seg if seg in node else int(seg) if _INT.fullmatch(seg) and int(seg) in node else None
-                if name is None:
-                    missing.append((node, here))
-                elif last:
-                    node[name] = copy.deepcopy(value)
-                else:
-                    following.append((node[name], here))
-            elif isinstance(node, (list, tuple)):
-                for index in _list_indices(node, seg, key, path):
-                    if not last:
-                        following.append((node[index], here))
-                    elif isinstance(node, tuple):
-                        raise ConfigError(f"--options {key}: '{path}' is a tuple; set it whole, e.g. {path}=(1, 2)")
-                    else:
-                        node[index] = _convert(copy.deepcopy(value))
-            else:
-                raise ConfigError(
-                    f"--options {key}: '{path}' is {node!r} ({type(node).__name__}), not a dict or list"
-                )
-        if missing and len(missing) == len(targets) and not is_new:
-            close = difflib.get_close_matches(key, _config_paths(cfg), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}; write +{key}=... to add a new key")
-        for node, here in missing:
-            node[seg] = copy.deepcopy(value) if last else ConfigDict()
-            following.append((node[seg], here))
-        targets = following
-
-
-# --------------------------------------------------------------------------- dumping
-
-_WIDTH = 100
-
-
-class _SourceWriter:
-    """Formats values as Python expressions, collecting the import lines that
-    classes and functions need."""
-
-    def __init__(self, top_keys: list[str], strict: bool):
-        self.strict = strict
-        self.shadowed = set(top_keys) & set(dir(builtins))
-        self.taken = set(top_keys) | {"dict", "float", "set", "frozenset"}
-        self.imports: dict[tuple[str, str], str] = {}  # (module, name) -> local name
-
-    def builtin(self, name: str) -> str:
-        return f"__import__('builtins').{name}" if name in self.shadowed else name
-
-    def fail(self, path: str, value: Any, why: str) -> str:
-        if self.strict:
-            raise ConfigError(f"cannot write config key '{path}' to a config file: {value!r} {why}")
-        return repr(value)
-
-    def reference(self, obj: Any, path: str) -> str:
-        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
-        if not module or "<" in qualname:
-            return self.fail(path, obj, "is a lambda or local object; use a function or class of an importable module")
-        if module in ("__main__", _CONFIG_MODULE):
-            return self.fail(path, obj, f"is defined in {module}; move it into an importable module")
-        try:
-            target: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                target = getattr(target, part)
-            same = target is obj or target == obj
-        except Exception:
-            same = False
-        if not same:
-            return self.fail(path, obj, f"cannot be imported back as {module}.{qualname}")
-        head, _, rest = qualname.partition(".")
-        if module == "builtins":
-            return self.builtin(head) + (f".{rest}" if rest else "")
-        if (module, head) not in self.imports:
-            alias, n = head, 0
-            while alias in self.taken:
-                n += 1
-                alias = f"{head}_{n}"
-            self.taken.add(alias)
-            self.imports[(module, head)] = alias
-        return self.imports[(module, head)] + (f".{rest}" if rest else "")
-
-    def inline(self, v: Any, path: str) -> str:
-        if v is None or type(v) in (bool, str, bytes, complex):
-            return repr(v)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return int.__repr__(v)  # int subclasses (IntEnum) are written as their value
-        if isinstance(v, str):
-            return str.__repr__(v)
-        if isinstance(v, float):
-            if math.isfinite(v):
-                return float.__repr__(float(v))
-            return f"{self.builtin('float')}({str(float(v))!r})"
-        if isinstance(v, dict):
-            if self.keyword_form(v):
-                inner = ", ".join(f"{k}={self.inline(x, f'{path}.{k}')}" for k, x in v.items())
-                return f"dict({inner})"
-            return "{" + ", ".join(f"{self.inline(k, path)}: {self.inline(x, f'{path}.{k}')}" for k, x in v.items()) + "}"
-        if isinstance(v, (list, tuple, set, frozenset)):
-            items = [self.inline(x, f"{path}.{i}") for i, x in enumerate(v)]
-            if isinstance(v, list):
-                return "[" + ", ".join(items) + "]"
-            if isinstance(v, tuple):
-                return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-            body = "{" + ", ".join(items) + "}" if items else ""
-            return f"{self.builtin('frozenset')}({body})" if isinstance(v, frozenset) else body or f"{self.builtin('set')}()"
-        if isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-            return self.reference(v, path)
-        return self.fail(path, v, f"({type(v).__name__}) is not a Python literal; use a literal such as a string")
-
-    def keyword_form(self, d: dict) -> bool:
-        # ``dict(a=1)`` reads like a hand-written config; ``{...}`` when keys are not names.
-        return "dict" not in self.shadowed and all(isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k) for k in d)
-
-    def block(self, v: Any, path: str, indent: int) -> str:
-        """Like inline, but spread over lines (one item per line) when too long."""
-        text = self.inline(v, path)
-        if indent + len(text) <= _WIDTH or not isinstance(v, (dict, list, tuple)) or not v:
-            return text
-        pad = " " * (indent + 4)
-        if isinstance(v, dict):
-            kw = self.keyword_form(v)
-            lines = [
-                (f"{pad}{k}=" if kw else f"{pad}{self.inline(k, path)}: ") + self.block(x, f"{path}.{k}", indent + 4) + ","
-                for k, x in v.items()
-            ]
-            opening, closing = ("dict(", ")") if kw else ("{", "}")
-        else:
-            lines = [pad + self.block(x, f"{path}.{i}", indent + 4) + "," for i, x in enumerate(v)]
-            opening, closing = ("[", "]") if isinstance(v, list) else ("(", ")")
-        return opening + "\n" + "\n".join(lines) + "\n" + " " * indent + closing
-
-
-def _to_source(cfg: dict, strict: bool) -> str:
-    for key in cfg:
-        if strict and not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
-                           and not key.startswith("_")):
-            raise ConfigError(
-                f"cannot write top-level config key {key!r} to a config file: "
-                "top-level keys must be Python names that do not start with '_'"
-            )
-    writer = _SourceWriter([k for k in cfg if isinstance(k, str)], strict)
-    body = [f"{key} = {writer.block(value, str(key), 0)}" for key, value in cfg.items()]
-    imports = [f"from {m} import {n}" + (f" as {a}" if a != n else "") for (m, n), a in writer.imports.items()]
-    return "\n".join([*imports, *([""] if imports else []), *body]) + "\n"
