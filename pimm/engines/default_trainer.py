@@ -270,6 +270,9 @@ class DefaultTrainer(TrainerBase):
 
     # -- the loop -----------------------------------------------------------
     def save_checkpoint(self) -> None:
+        # Flushing is a collective (loss averaging); do it on every rank before
+        # rank 0 alone collects the writer's state.
+        self.writer.flush()
         best = self.train_state.best_step is not None and self.train_state.best_step == self.global_step
         self.checkpointer.save(self.global_step, self.train_state.epoch, extra_manifest={"is_best": best})
 
