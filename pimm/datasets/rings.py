@@ -40,6 +40,7 @@ MUON_MASS = 105.66  # MeV/c^2
 SPEED_OF_LIGHT = 29.98  # cm/ns
 WATER_X0 = 36.08  # radiation length of water, cm
 WATER_CRITICAL_ENERGY = 78.3  # MeV, sets where an EM shower peaks
+_HIT_THRESHOLD_PE = 0.25  # smallest charge a hit pixel reports
 _SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 
 
@@ -67,19 +68,28 @@ def _orthonormal_basis(axis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u, v
 
 
-def _tilt(axis: np.ndarray, cos_theta: np.ndarray, azimuth: np.ndarray) -> np.ndarray:
-    """Unit vectors at polar angle ``acos(cos_theta)`` and ``azimuth`` around ``axis``:
-    one (3,) vector shared by all, or one row of an (N,3) array each."""
+def _random_azimuth(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``n`` uniform azimuths.
+
+    Evaluated in float32, where numpy's trig is vectorised (~10x faster than
+    float64); 1e-7 precision is far below a pixel."""
+    azimuth = rng.random(n, dtype=np.float32) * np.float32(2.0 * math.pi)
+    return np.cos(azimuth).astype(np.float64), np.sin(azimuth).astype(np.float64)
+
+
+def _tilt(axis: np.ndarray, cos_theta, sin_theta, cos_az: np.ndarray, sin_az: np.ndarray) -> np.ndarray:
+    """Unit vectors at polar angle theta and azimuth ``az`` around ``axis``: one (3,)
+    vector shared by all, or one row of an (N,3) array each."""
     if axis.ndim == 1:
         u, v = (w[0] for w in _orthonormal_basis(axis[None, :]))
     else:
         u, v = _orthonormal_basis(axis)
-    sin_theta = np.sqrt(np.clip(1.0 - cos_theta * cos_theta, 0.0, None))
-    return (
-        cos_theta[:, None] * axis
-        + (sin_theta * np.cos(azimuth))[:, None] * u
-        + (sin_theta * np.sin(azimuth))[:, None] * v
-    )
+    along = np.multiply.outer(cos_theta, axis) if axis.ndim == 1 else cos_theta[:, None] * axis
+    a = sin_theta * cos_az
+    b = sin_theta * sin_az
+    if axis.ndim == 1:
+        return along + np.multiply.outer(a, u) + np.multiply.outer(b, v)
+    return along + a[:, None] * u + b[:, None] * v
 
 
 def _barrel_distance(origin: np.ndarray, direction: np.ndarray, radius: float) -> np.ndarray:
@@ -143,7 +153,7 @@ class CherenkovRingDataset(torch.utils.data.Dataset):
         num_events: int,
         seed: int = 0,
         split: str = "train",
-        image_size: tuple[int, int] = (48, 96),
+        image_size: tuple[int, int] = (32, 64),
         with_time: bool = True,
         momentum_range: tuple[float, float] = (200.0, 1000.0),
         tank_radius: float = 400.0,
@@ -152,7 +162,7 @@ class CherenkovRingDataset(torch.utils.data.Dataset):
         min_towall: float = 200.0,
         max_abs_cos_zenith: float = 0.5,
         refractive_index: float = 1.33,
-        pe_per_cm: float = 3.0,
+        pe_per_cm: float = 5.0,
         dedx: float = 2.0,
         shower_spread: float = 0.12,
         attenuation_length: float = 5000.0,
@@ -337,15 +347,19 @@ class CherenkovRingDataset(torch.utils.data.Dataset):
     def _scatter(rng, direction: np.ndarray, sigma: np.ndarray) -> np.ndarray:
         """Copies of ``direction`` deflected by a 2D-Gaussian angle of width ``sigma`` (per row)."""
         n = sigma.shape[0]
-        angle = sigma * np.sqrt(-2.0 * np.log1p(-rng.random(n)))  # Rayleigh
-        return _tilt(direction, np.cos(angle), rng.uniform(0.0, 2.0 * math.pi, size=n))
+        angle = (sigma * np.sqrt(-2.0 * np.log1p(-rng.random(n)))).astype(np.float32)  # Rayleigh
+        # float32 trig for speed (see _random_azimuth); sin is taken directly, not
+        # from cos, so small angles keep their relative precision.
+        cos_a, sin_a = np.cos(angle).astype(np.float64), np.sin(angle).astype(np.float64)
+        return _tilt(direction, cos_a, sin_a, *_random_azimuth(rng, n))
 
     def _detect(self, rng, origins, parents, cos_cone, t_emit) -> np.ndarray:
         """Send each photon along its Cherenkov cone to the barrel and histogram
         the surviving ones (plus dark noise) into charge and mean-time images."""
         height, width = self.image_size
         n = cos_cone.shape[0]
-        photons = _tilt(parents, cos_cone, rng.uniform(0.0, 2.0 * math.pi, size=n))
+        sin_cone = np.sqrt(np.maximum(1.0 - cos_cone * cos_cone, 0.0))
+        photons = _tilt(parents, cos_cone, sin_cone, *_random_azimuth(rng, n))
         dist = _barrel_distance(origins, photons, self.tank_radius)
         hit = origins + dist[:, None] * photons
         survive = (np.abs(hit[:, 2]) < self.tank_half_height) & (
@@ -365,8 +379,15 @@ class CherenkovRingDataset(torch.utils.data.Dataset):
         times = np.concatenate([times - t_ref, rng.uniform(-20.0, 80.0, size=n_noise)])
 
         counts = np.bincount(pixel, minlength=height * width).astype(np.float64)
-        # Sum of per-PE gains ~ N(n, gain_spread^2 n); charge never goes negative.
-        charge = np.maximum(counts + self.gain_spread * np.sqrt(counts) * rng.standard_normal(counts.shape), 0.0)
+        # Sum of per-PE gains ~ N(n, gain_spread^2 n). A hit pixel passed the
+        # discriminator, so it reports at least the threshold charge (keeps every
+        # pixel with a time also visible in the charge channel).
+        lit = np.flatnonzero(counts)
+        charge = np.zeros_like(counts)
+        charge[lit] = np.maximum(
+            counts[lit] + self.gain_spread * np.sqrt(counts[lit]) * rng.standard_normal(lit.shape[0]),
+            _HIT_THRESHOLD_PE,
+        )
         if self.log_charge:
             charge = np.log1p(charge)
         channels = [charge]

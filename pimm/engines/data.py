@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulRandomSampler
-from pimm.utils.rng import derive_seed, seed_all
+from pimm.utils.rng import derive_seed, seed_cpu_streams
 
 __all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader"]
 
@@ -50,9 +50,14 @@ class SeededDataset(Dataset):
     def __getitem__(self, key):
         if type(key) is SampleKey:
             if get_worker_info() is not None:
-                seed_all(key[1])
+                seed_cpu_streams(key[1])
             key = key[0]
         return self.dataset[key]
+
+    def __getitems__(self, keys: list) -> list:
+        # One call per batch; also spares torch's per-batch hasattr probe a
+        # trip through __getattr__ below.
+        return [self[key] for key in keys]
 
     def __getattr__(self, name):
         # Forward attributes such as ``class_names`` to the wrapped data set;

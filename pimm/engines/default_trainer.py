@@ -23,7 +23,7 @@ from pimm.engines.optim import build_optimizer
 from pimm.engines.preemption import PreemptionWatcher
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.hooks.evaluator import EvaluatorBase
-from pimm.engines.participants import HooksParticipant, MetaParticipant, RNGParticipant
+from pimm.engines.participants import HooksParticipant, LoaderParticipant, MetaParticipant, RNGParticipant
 from pimm.engines.resume import load_weights
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS, TRAINERS
 from pimm.engines.scheduler import build_scheduler
@@ -168,7 +168,10 @@ class DefaultTrainer(TrainerBase):
         return self._make_train_loader(self._build_dataset("train"))
 
     def _make_train_loader(self, dataset, sampler=None):
-        interval = self._checkpoint_interval * self.grad_accum_steps if self._checkpoint_interval else None
+        # Only iterable data sets resume from the loader's own snapshots (see
+        # LoaderParticipant); take them at the checkpoint cadence, not per step.
+        iterable = isinstance(dataset, IterableDataset)
+        interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
         return data_lib.build_train_loader(
             dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
             seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
@@ -264,7 +267,7 @@ class DefaultTrainer(TrainerBase):
         manager.register("writer", self.writer)
         manager.register("meta", MetaParticipant(self))
         manager.register("rng", RNGParticipant(), per_rank=True)
-        manager.register("loader", self.train_loader, per_rank=True)
+        manager.register("loader", LoaderParticipant(self), per_rank=True)
         manager.register("hooks", HooksParticipant(self), per_rank=True)
         return manager
 
@@ -276,19 +279,24 @@ class DefaultTrainer(TrainerBase):
         best = self.train_state.best_step is not None and self.train_state.best_step == self.global_step
         self.checkpointer.save(self.global_step, self.train_state.epoch, extra_manifest={"is_best": best})
 
-    def start_epoch_data(self, start_sample: int = 0) -> None:
-        """Start iterating the current epoch, skipping its first ``start_sample``
-        samples (global count). A loader state restored from a checkpoint takes
-        precedence: StatefulDataLoader applies it to this iterator."""
+    _pending_start_sample = 0
+
+    def resume_position(self, samples_in_epoch: int) -> None:
+        """Make the next epoch start skip its first ``samples_in_epoch`` samples (global count)."""
+        self._pending_start_sample = samples_in_epoch
+
+    def start_epoch_data(self) -> None:
+        """Start iterating the current epoch (from a resumed position if one is pending).
+        A loader state restored from a checkpoint is applied by StatefulDataLoader here."""
         sampler = getattr(self.train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch, start_sample)
+            sampler.set_epoch(self.epoch, self._pending_start_sample)
+        self._pending_start_sample = 0
         self.train_loader.generator.manual_seed(derive_seed(self.cfg.seed, self.rank, self.epoch, 2))
         self._data_iter = iter(self.train_loader)
 
     def run_epoch(self) -> None:
-        if self._data_iter is None:
-            self.start_epoch_data()
+        self.start_epoch_data()
         try:
             super().run_epoch()
         finally:
@@ -337,8 +345,9 @@ class DefaultTrainer(TrainerBase):
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         info = self.comm_info
+        info["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+        self.scheduler.step()
         info["input_dict"], info["model_output_dict"] = batch, output
         info["loss"], info["data_time"] = step_loss, data_time
 

@@ -3,10 +3,11 @@ streams, the hooks' states, and the metadata a resume compares against."""
 
 from __future__ import annotations
 
+from pimm.distributed.sampler import StatefulRandomSampler
 from pimm.engines.resume import flatten_config
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["RNGParticipant", "HooksParticipant", "MetaParticipant"]
+__all__ = ["RNGParticipant", "HooksParticipant", "MetaParticipant", "LoaderParticipant"]
 
 
 class RNGParticipant:
@@ -58,3 +59,30 @@ class HooksParticipant:
             return
         for hook, s in zip(hooks, states):
             hook.load_state_dict(s["state"])
+
+
+class LoaderParticipant:
+    """The training data position.
+
+    Under a :class:`StatefulRandomSampler` a sample is a pure function of
+    ``(seed, epoch, position)``, so the position alone restores the data
+    stream exactly and in O(1): no worker state, no replayed batches. Other
+    loaders (iterable data sets) save and restore ``StatefulDataLoader``'s
+    own state, snapshotted at the checkpoint cadence."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        trainer = self.trainer
+        state = trainer.train_state
+        if isinstance(getattr(trainer.train_loader, "sampler", None), StatefulRandomSampler):
+            return {"kind": "position", "epoch": state.epoch, "samples_in_epoch": state.samples_seen_in_epoch()}
+        # Between epochs the loader still describes the finished epoch's iterator.
+        return {"kind": "loader", "state": trainer.train_loader.state_dict() if state.iter_in_epoch else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["kind"] == "position":
+            self.trainer.resume_position(state["samples_in_epoch"])
+        elif state["state"] is not None:
+            self.trainer.train_loader.load_state_dict(state["state"])

@@ -96,11 +96,16 @@ def resume_training(trainer) -> bool:
     if changed_layout:
         consumed = state.samples_seen_in_epoch()
         state.load_state_dict(new_layout)
-        trainer.epoch = state.epoch
-        if state.iter_in_epoch > 0:
-            trainer.start_epoch_data(start_sample=consumed)
+        sampler = getattr(trainer.train_loader, "sampler", None)
+        if state.iter_in_epoch > 0 and hasattr(sampler, "set_epoch"):
+            # Continue after the same number of samples, in the new layout's steps.
+            sampler.set_epoch(state.epoch, consumed)
             remaining = len(trainer.train_loader) // state.grad_accum_steps
             state.iter_in_epoch = max(0, trainer.iters_per_epoch - remaining)
+            trainer.resume_position(consumed)
+        elif state.iter_in_epoch > 0:
+            logger.warning("This loader cannot skip to a sample count: the interrupted epoch restarts")
+            state.iter_in_epoch = 0
     logger.info(
         f"Resumed from {loaded.path.name}: {state.epoch} epoch(s) done, step {state.global_step}"
         + (f", {state.iter_in_epoch} step(s) into epoch {state.epoch + 1}" if state.iter_in_epoch else "")

@@ -56,40 +56,47 @@ class MetricsWriter:
             self.wandb_run_id = wandb.util.generate_id()
 
     # -- buffering ------------------------------------------------------
-    def add_scalars(self, scalars: dict[str, Any], step: int, epoch: int) -> None:
+    def add_scalars(self, scalars: dict[str, Any], step: int, epoch: int, dense: bool = False) -> None:
         """Queue ``tag: value`` pairs for ``step``. Tensor values are averaged over
-        ranks at flush time; python numbers are written as given."""
-        self._pending.append((step, epoch, scalars))
+        ranks at flush time; python numbers are written as given.
+
+        ``dense=True`` marks a per-step series (the training loss): every value
+        goes to ``metrics.jsonl``, while TensorBoard and W&B get the mean over
+        each flushed window at its last step, as detectron2 and mmengine log —
+        a dashboard event per step would cost more than the step itself on
+        small models."""
+        self._pending.append((step, epoch, scalars, dense))
 
     def flush(self) -> list[dict]:
         """Write everything buffered; returns the records written (on every rank)."""
         pending, self._pending = self._pending, []
         if not pending:
             return []
-        tensors = [v for _, _, scalars in pending for v in scalars.values() if isinstance(v, torch.Tensor)]
+        tensors = [v for _, _, scalars, _ in pending for v in scalars.values() if isinstance(v, torch.Tensor)]
         values = iter(())
         if tensors:
             stacked = torch.stack([t.detach().float().reshape(()) for t in tensors])
             values = iter(comm.all_reduce(stacked, op="mean").tolist())
-        records = []
-        for step, epoch, scalars in pending:
+        records, dense_flags = [], []
+        for step, epoch, scalars, dense in pending:
             record = {"step": step, "epoch": epoch}
             for tag, value in scalars.items():
                 record[tag] = next(values) if isinstance(value, torch.Tensor) else value
             records.append(record)
+            dense_flags.append(dense)
         if self.is_main:
-            self._write(records)
+            self._write(records, dense_flags)
         return records
 
-    def _write(self, records: list[dict]) -> None:
+    def _write(self, records: list[dict], dense_flags: list[bool]) -> None:
         self._open()
         lines = "".join(json.dumps(r) + "\n" for r in records)
         self._jsonl.write(lines)
         self._jsonl.flush()
-        for record in records:
-            step = record["step"]
-            self.last_step = max(self.last_step, step)
-            scalars = {k: v for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)}
+        self.last_step = max(self.last_step, max(r["step"] for r in records))
+        if self._tb is None and self._wandb_run is None:
+            return
+        for step, scalars in _dashboard_events(records, dense_flags):
             if self._tb is not None:
                 for tag, value in scalars.items():
                     self._tb.add_scalar(tag, value, step)
@@ -170,6 +177,28 @@ class MetricsWriter:
             if self._wandb_run is not None:
                 self._wandb_run.finish()
                 self._wandb_run = None
+
+
+def _dashboard_events(records: list[dict], dense_flags: list[bool]):
+    """``(step, scalars)`` for the dashboards: each run of consecutive dense
+    records collapses into its mean at the run's last step."""
+    window: list[dict] = []
+
+    def collapse():
+        tags = [k for k in window[-1] if k not in ("step", "epoch") and _is_number(window[-1][k])]
+        means = {t: sum(r[t] for r in window if t in r) / sum(1 for r in window if t in r) for t in tags}
+        return window[-1]["step"], means
+
+    for record, dense in zip(records, dense_flags):
+        if dense:
+            window.append(record)
+            continue
+        if window:
+            yield collapse()
+            window = []
+        yield record["step"], {k: v for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)}
+    if window:
+        yield collapse()
 
 
 def _is_number(value: Any) -> bool:

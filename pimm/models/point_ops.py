@@ -89,9 +89,7 @@ def hash_keys(grid: torch.Tensor, batch: torch.Tensor, span: int) -> torch.Tenso
 
 
 def _span(grid: torch.Tensor) -> int:
-    # +3: grid values are shifted by one so that a -1 neighbour offset stays
-    # non-negative, and one more so that a +1 neighbour of the maximum fits.
-    return int(grid.max()) + 3 if grid.numel() else 3
+    return int(grid.max()) + 1 if grid.numel() else 1
 
 
 def voxelize(grid: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,8 +139,9 @@ def neighbor_pairs(
     ``grid`` must hold distinct voxels. Returns ``(i, j, offset_id)`` sorted by
     offset id.
     """
-    shifted = grid + 1  # keeps every neighbour of a voxel non-negative
-    span = _span(shifted)
+    reach = int(offsets.abs().max()) if offsets.numel() else 0
+    shifted = grid + reach  # keeps every neighbour of a voxel non-negative
+    span = int(shifted.max()) + reach + 1 if grid.numel() else 1
     keys = hash_keys(shifted, batch, span)
     sorted_keys, order = torch.sort(keys)
     m, k = grid.shape[0], offsets.shape[0]
@@ -159,11 +158,16 @@ def submanifold_kernel_map(grid: torch.Tensor, batch: torch.Tensor, kernel_size:
     """Kernel map of a submanifold convolution: outputs sit on the input voxels and
     each gathers its occupied neighbours within a ``kernel_size``^3 cube."""
     offsets = _neighbor_offsets(kernel_size, grid.device)
-    centre = len(offsets) // 2
-    out_idx, in_idx, oid = neighbor_pairs(grid, batch, offsets)
-    keep = oid != centre  # the centre is the identity: a dense matmul, no pairs needed
-    out_idx, in_idx, oid = out_idx[keep], in_idx[keep], oid[keep]
-    counts = torch.bincount(oid, minlength=len(offsets)).tolist()
+    kvol = len(offsets)
+    centre = kvol // 2  # the identity: a dense matmul, no pairs needed
+    # Offsets k and kvol-1-k are opposite (d, -d), and j = i + d <=> i = j - d:
+    # searching the first half of the kernel gives the second half for free.
+    i, j, oid = neighbor_pairs(grid, batch, offsets[:centre])
+    # Flipping reverses the group order, so mirrored offsets stay sorted.
+    out_idx = torch.cat([i, j.flip(0)])
+    in_idx = torch.cat([j, i.flip(0)])
+    oid = torch.cat([oid, kvol - 1 - oid.flip(0)])
+    counts = torch.bincount(oid, minlength=kvol).tolist()
     return KernelMap(in_idx, out_idx, counts, grid.shape[0], identity=centre)
 
 

@@ -33,7 +33,7 @@ class ConvNormAct(nn.Module):
         if norm == "bn":
             self.norm = nn.BatchNorm2d(out_ch)
         else:  # "gn": batch-size independent, for tiny per-rank batches
-            self.norm = nn.GroupNorm(min(8, out_ch), out_ch)
+            self.norm = nn.GroupNorm(max(1, out_ch // 8), out_ch)
         self.act = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """InformationWriter: every step's scalars to the writers, a log line every
-``log_frequency`` steps.
+``log_frequency`` steps. ``train/lr`` is the learning rate the step used.
 
 The per-step work is appending detached device tensors to the writer's
 buffer; the host transfer happens once per ``log_frequency`` steps.
@@ -28,12 +28,12 @@ class InformationWriter(HookBase):
     def after_step(self):
         trainer = self.trainer
         info = trainer.comm_info
-        scalars = {"train/loss": info["loss"], "train/lr": trainer.optimizer.param_groups[0]["lr"]}
+        scalars = {"train/loss": info["loss"], "train/lr": info["lr"]}
         for key, value in info["model_output_dict"].items():
             if key != "loss" and isinstance(value, torch.Tensor) and value.ndim == 0:
                 scalars[f"train/{key}"] = value.detach()
         step = trainer.global_step
-        trainer.writer.add_scalars(scalars, step=step, epoch=trainer.epoch + 1)
+        trainer.writer.add_scalars(scalars, step=step, epoch=trainer.epoch + 1, dense=True)
         if step % self.log_frequency == 0 or trainer.iter == trainer.iters_per_epoch:
             self._flush_and_log()
 
