@@ -84,12 +84,12 @@ def _tilt(axis: np.ndarray, cos_theta, sin_theta, cos_az: np.ndarray, sin_az: np
         u, v = (w[0] for w in _orthonormal_basis(axis[None, :]))
     else:
         u, v = _orthonormal_basis(axis)
-    along = np.multiply.outer(cos_theta, axis) if axis.ndim == 1 else cos_theta[:, None] * axis
-    a = sin_theta * cos_az
-    b = sin_theta * sin_az
-    if axis.ndim == 1:
-        return along + np.multiply.outer(a, u) + np.multiply.outer(b, v)
-    return along + a[:, None] * u + b[:, None] * v
+    # (N,1) * (3,) and (N,1) * (N,3) both broadcast to (N,3).
+    return (
+        cos_theta[:, None] * axis
+        + (sin_theta * cos_az)[:, None] * u
+        + (sin_theta * sin_az)[:, None] * v
+    )
 
 
 def _barrel_distance(origin: np.ndarray, direction: np.ndarray, radius: float) -> np.ndarray:

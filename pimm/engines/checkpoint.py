@@ -7,14 +7,14 @@ Layout of ``save_path/checkpoints``::
         common.pth                rank 0: model, optimizer, scheduler, scaler,
                                   train state, writer, config
         rank00000.pth ...         per rank: RNG streams, loader position, hooks
-        COMMITTED                 JSON manifest, written last
+        COMMITTED                 JSON manifest (sizes, CRC-32s), written last
     .tmp-step000000140-epoch0003/ a save in progress (never resumed from)
 
 A save writes into a ``.tmp-`` folder, fsyncs every file, has rank 0 write
-the manifest (with each file's size) and renames the folder into place. The
+the manifest (each file's size and CRC-32) and renames the folder into place. The
 rename is atomic, so a kill at any moment leaves either the old set of
 checkpoints or the new one; resume only looks at folders with a manifest
-whose files all have the recorded sizes and load, falling back to the
+whose files all have the recorded sizes and checksums and load, falling back to the
 previous checkpoint otherwise. Old checkpoints are deleted only after the
 new one is committed.
 """
@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_synced(obj: Any, path: Path) -> int:
+class _ChecksummingFile:
+    """Write-only file wrapper that keeps a CRC-32 of everything written, so a
+    checkpoint's checksum costs no second read."""
+
+    def __init__(self, fh):
+        self.fh, self.crc, self.size = fh, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _save_synced(obj: Any, path: Path) -> dict:
     with open(path, "wb") as fh:
-        torch.save(obj, fh)
+        out = _ChecksummingFile(fh)
+        torch.save(obj, out)
         fh.flush()
         os.fsync(fh.fileno())
-        return fh.tell()
+        return {"size": out.size, "crc32": out.crc}
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -129,17 +155,17 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         comm.synchronize()
-        sizes = {f"rank{rank:05d}.pth": _save_synced(self._collect(self._per_rank), tmp / f"rank{rank:05d}.pth")}
+        files = {f"rank{rank:05d}.pth": _save_synced(self._collect(self._per_rank), tmp / f"rank{rank:05d}.pth")}
         if rank == 0:
-            sizes[COMMON] = _save_synced(self._collect(self._common), tmp / COMMON)
-        all_sizes = comm.all_gather_object(sizes)
+            files[COMMON] = _save_synced(self._collect(self._common), tmp / COMMON)
+        all_files = comm.all_gather_object(files)
         if rank == 0:
             manifest = {
                 "global_step": global_step,
                 "epoch": epoch,
                 "world_size": world,
                 "time": time.time(),
-                "files": {k: v for part in all_sizes for k, v in part.items()},
+                "files": {k: v for part in all_files for k, v in part.items()},
                 **(extra_manifest or {}),
             }
             with open(tmp / MANIFEST, "w") as fh:
@@ -181,10 +207,12 @@ class CheckpointManager:
         manifest = self._read_manifest(path)
         if not manifest or "files" not in manifest:
             raise ValueError("manifest missing or unreadable")
-        for fname, size in manifest["files"].items():
+        for fname, expected in manifest["files"].items():
             actual = (path / fname).stat().st_size if (path / fname).exists() else None
-            if actual != size:
-                raise ValueError(f"{fname} has {actual} bytes, manifest says {size}")
+            if actual != expected["size"]:
+                raise ValueError(f"{fname} has {actual} bytes, manifest says {expected['size']}")
+            if _file_crc32(path / fname) != expected["crc32"]:
+                raise ValueError(f"{fname} fails its CRC-32 check (corrupted on disk)")
         common = torch.load(path / COMMON, map_location="cpu", weights_only=False)
         rank_file = path / f"rank{rank:05d}.pth"
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None

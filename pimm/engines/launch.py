@@ -30,7 +30,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other bad input
-        raise UserError(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')})")
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise UserError(f"{message} (usage: {usage})")
 
 
 def _parser(mode: str) -> _Parser:

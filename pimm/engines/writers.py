@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,8 @@ class MetricsWriter:
         self.wandb_run_id: str | None = None
         self.last_step = 0
         if self.use_wandb and self.is_main:
-            import wandb
-
-            self.wandb_run_id = wandb.util.generate_id()
+            # Chosen here, not by wandb.init, so the first checkpoint already carries it.
+            self.wandb_run_id = uuid.uuid4().hex[:12]
 
     # -- buffering ------------------------------------------------------
     def add_scalars(self, scalars: dict[str, Any], step: int, epoch: int, dense: bool = False) -> None:

@@ -42,13 +42,15 @@ class Registry:
     def _add(self, module: Callable, names: Iterable[str], force: bool) -> None:
         if not callable(module):
             raise TypeError(f"{self.name}: can only register classes or functions, got {module!r}")
-        for name in names:
+        names = list(names)
+        for name in names:  # check every alias first: a failed call registers nothing
             existing = self._modules.get(name)
             if existing is not None and existing is not module and not force:
                 raise KeyError(
                     f"{name!r} is already registered in {self.name} "
                     f"(by {existing.__module__}.{existing.__qualname__}); pass force=True to replace it"
                 )
+        for name in names:
             self._modules[name] = module
 
     def register_module(
@@ -134,7 +136,12 @@ def build_from_cfg(cfg: Any, registry: Registry, default_args: dict | None = Non
     try:
         return obj_cls(**args)
     except UserError as err:
-        raise type(err)(f"{registry.name} {type_name}: {err}") from err
+        # Keep the exception's class (and its exit code); only prefix the context.
+        err.args = (f"{registry.name} {type_name}: {err}",)
+        raise
+    except ValueError as err:
+        # Constructors validate their arguments with ValueError: the config's fault.
+        raise RegistryError(f"{registry.name} {type_name}({_describe_args(args)}): {err}") from err
     except TypeError as err:
         # A TypeError raised by the call itself (not deeper) means the arguments
         # do not fit the signature: that is the user's config.
