@@ -21,8 +21,16 @@ ratio and reported separately (``pimm_train_total`` is the whole
 
 Rounds alternate raw/pimm (ABAB...) after one untimed warm-up of each, and
 the medians of the per-round ms/step give ``overhead_ratio = pimm / raw``.
+CPU time (``process_time``, every thread of the process, so tensorboardX's
+writer threads count) is reported beside wall time: on a machine shared
+with other jobs it is the steadier of the two.
 
-    python bench/overhead.py [--rounds 7] [--profile]
+``--components`` times pimm's per-step pieces (data loading, run_step, each
+hook) in isolation against their raw counterparts, with deterministic
+Python call counts, and ranks their extra cost; ``--profile`` prints a
+cProfile of one pimm epoch loop (top 25 cumulative entries inside pimm/).
+
+    python bench/overhead.py [--rounds 11] [--components] [--profile] [--hidden 256]
 """
 
 from __future__ import annotations
@@ -117,50 +125,6 @@ scheduler = dict(type="CosineWarmupLR", warmup_ratio={warmup})
 """
 
 
-def _drop_hooks(*names: str):
-    def edit(cfg) -> None:
-        cfg.hooks = [h for h in cfg.hooks if h["type"] not in names]
-    return edit
-
-
-def _plain_loader(trainer) -> None:
-    # The epoch's batches from torch's DataLoader(shuffle=True) instead of the
-    # resumable StatefulDataLoader + StatefulRandomSampler + SeededDataset.
-    dataset = trainer.train_loader.dataset.dataset
-    trainer.train_loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, drop_last=True,
-                                      generator=torch.Generator())
-
-
-def _no_edit(_) -> None:
-    pass
-
-
-def _both(*steps):
-    def apply(target) -> None:
-        for step in steps:
-            step(target)
-    return apply
-
-
-def _set(key: str, value):
-    def edit(cfg) -> None:
-        cfg[key] = value
-    return edit
-
-
-# variant -> (config edit before build, trainer patch after build). Bench-only
-# switches that attribute pimm's per-step time to its components (--ablate).
-ABLATIONS = {
-    "default": (_no_edit, _no_edit),
-    "no_tensorboard": (_set("enable_tensorboard", False), _no_edit),
-    "no_InformationWriter": (_drop_hooks("InformationWriter"), _no_edit),
-    "no_IterationTimer": (_drop_hooks("IterationTimer"), _no_edit),
-    "plain_DataLoader": (_no_edit, _plain_loader),
-    "no_hooks+plain_DataLoader": (_drop_hooks("CheckpointLoader", "IterationTimer", "InformationWriter",
-                                              "ProgressBar", "CheckpointSaver"), _plain_loader),
-}
-
-
 def lr_factor(step: int, total: int = STEPS) -> float:
     """The same schedule as pimm's CosineWarmupLR(warmup_ratio=WARMUP_RATIO), written out."""
     warmup = round(WARMUP_RATIO * total)
@@ -171,17 +135,17 @@ def lr_factor(step: int, total: int = STEPS) -> float:
 
 
 def run_raw(seed: int) -> dict:
-    """The hand-written loop; returns the loop time and the recorded losses."""
+    """The hand-written loop; returns its wall and CPU seconds."""
     torch.manual_seed(seed)
     dataset = BenchTensorDataset(STEPS * BATCH)
-    model = BenchMLP()
+    model = BenchMLP(hidden=HIDDEN)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, drop_last=True, num_workers=0)
     losses: list[float] = []
     pending: list[torch.Tensor] = []
     gc.collect()
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     for batch in loader:
         optimizer.zero_grad(set_to_none=True)
         loss = model(batch)["loss"]
@@ -194,14 +158,13 @@ def run_raw(seed: int) -> dict:
             pending.clear()
     if pending:
         losses.extend(torch.stack(pending).tolist())
-    loop = time.perf_counter() - start
+    loop, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     assert len(losses) == STEPS, len(losses)
-    return {"loop": loop}
+    return {"loop": loop, "cpu": cpu}
 
 
-def build_pimm(workdir: Path, tag: str, seed: int, variant: str = "default"):
-    """A DefaultTrainer built from a config file, as tools/train.py would build it
-    (``variant`` other than "default": one component switched off, see ABLATIONS)."""
+def build_pimm(workdir: Path, tag: str, seed: int):
+    """A DefaultTrainer built from a config file, as tools/train.py would build it."""
     save_path = workdir / tag
     cfg_file = workdir / f"{tag}_cfg.py"
     cfg_file.write_text(CONFIG.format(
@@ -209,38 +172,34 @@ def build_pimm(workdir: Path, tag: str, seed: int, variant: str = "default"):
         batch=BATCH, in_dim=IN_DIM, hidden=HIDDEN, classes=NUM_CLASSES, samples=STEPS * BATCH, lr=LR,
         wd=WEIGHT_DECAY, warmup=WARMUP_RATIO))
     cfg = load_config(str(cfg_file), [], world_size=1)
-    ABLATIONS[variant][0](cfg)
     # train.log as the CLI writes it, minus the console copy (it would flood this output).
     logger = setup_logger(cfg.save_path, rank=0)
     for handler in list(logger.handlers):
         if not isinstance(handler, logging.FileHandler):
             logger.removeHandler(handler)
-    trainer = build_trainer(cfg)
-    ABLATIONS[variant][1](trainer)
-    return trainer
+    return build_trainer(cfg)
 
 
-def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None,
-             variant: str = "default") -> dict:
-    trainer = build_pimm(workdir, tag, seed, variant)
+def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None) -> dict:
+    trainer = build_pimm(workdir, tag, seed)
     timing = {}
     inner = trainer.run_epoch
 
     def timed_run_epoch():
         # An instance attribute shadows the method for TrainerBase.train only;
         # nothing else about the loop changes.
-        gc.collect()
         if profiler is not None:
             profiler.enable()
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         try:
             inner()
         finally:
-            timing["loop"] = time.perf_counter() - start
+            timing["loop"], timing["cpu"] = time.perf_counter() - start, time.process_time() - cpu_start
             if profiler is not None:
                 profiler.disable()
 
     trainer.run_epoch = timed_run_epoch
+    gc.collect()
     start = time.perf_counter()
     trainer.train()
     timing["total"] = time.perf_counter() - start
@@ -255,16 +214,20 @@ def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | No
     return timing
 
 
-def check_same_schedule(pimm_lrs: list[float]) -> float:
-    """Largest difference between pimm's logged LR and the raw loop's LambdaLR, step by step."""
+def check_same_schedule(pimm_lrs: list[float]) -> tuple[float, float]:
+    """Largest |difference| between pimm's logged ``train/lr`` and the raw loop's
+    LambdaLR: against the lr each step used, and against the lr after each
+    step's ``scheduler.step()``. pimm logs the latter (InformationWriter runs
+    after the step), so the second figure is the one that must be ~0."""
     probe = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(probe, lr_factor)
-    raw_lrs = []
+    used, after = [], []
     for _ in range(STEPS):
-        raw_lrs.append(probe.param_groups[0]["lr"])  # the lr used by this step
+        used.append(probe.param_groups[0]["lr"])
         probe.step()
         scheduler.step()
-    return max(abs(a - b) for a, b in zip(raw_lrs, pimm_lrs))
+        after.append(probe.param_groups[0]["lr"])
+    return (max(abs(a - b) for a, b in zip(used, pimm_lrs)), max(abs(a - b) for a, b in zip(after, pimm_lrs)))
 
 
 def profile_pimm(workdir: Path, top: int = 25) -> None:
@@ -279,29 +242,146 @@ def profile_pimm(workdir: Path, top: int = 25) -> None:
     stats.sort_stats("tottime").print_stats(20)
 
 
-def ablate(workdir: Path, rounds: int) -> None:
-    """Each variant alternated with the raw loop; the ratio drop from "default"
-    is what the switched-off component costs per step."""
-    print(f"\n# ablation ({rounds} alternating rounds per variant; ratio = variant / raw, medians)")
-    base_ratio = None
-    for variant in ABLATIONS:
-        ratios = []
-        for r in range(rounds):
-            raw = run_raw(r + 1)["loop"]
-            ratios.append(run_pimm(workdir, f"{variant}{r}", r + 1, variant=variant)["loop"] / raw)
-        ratio = statistics.median(ratios)
-        base_ratio = ratio if base_ratio is None else base_ratio
-        print(f"{variant:28s} ratio {ratio:.3f}  (saves {base_ratio - ratio:+.3f} of raw step time)  "
-              f"rounds: {' '.join(f'{x:.2f}' for x in ratios)}", flush=True)
+def _median_ratio(rows: list[dict], key: str) -> float:
+    return statistics.median(row["pimm"][key] / row["raw"][key] for row in rows)
+
+
+def _fastest(fns: dict, repeats: int = 11) -> dict:
+    """Fastest wall and CPU (process_time: all threads) seconds of each function,
+    run round-robin so that every one sees the same background load. On a
+    shared machine the minimum of short repeats is the least disturbed figure."""
+    walls = {name: [] for name in fns}
+    cpus = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            gc.collect()
+            cpu, wall = time.process_time(), time.perf_counter()
+            fn()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: (min(walls[name]), min(cpus[name])) for name in fns}
+
+
+def _drain_tensorboard(trainer) -> None:
+    # tensorboardX hands each event to a background thread through a
+    # multiprocessing.Queue; wait for it so that thread's CPU time is counted.
+    tb = getattr(trainer.writer, "_tb", None)
+    queue = getattr(getattr(getattr(tb, "file_writer", None), "event_writer", None), "_event_queue", None)
+    while queue is not None and (queue._buffer or not queue.empty()):
+        time.sleep(0.0005)
+
+
+def measure_components(workdir: Path, chunk: int = 100) -> None:
+    """pimm's per-step pieces timed in isolation against their raw-loop
+    counterparts on the same data, so an absolute cost per step can be given
+    to each (the end-to-end ratio on a busy machine cannot resolve a few %)."""
+    trainer = build_pimm(workdir, "components", 0)
+    dataset = trainer.train_loader.dataset.dataset
+    plain = DataLoader(dataset, batch_size=BATCH, shuffle=True, drop_last=True)
+    batches = [b for _, b in zip(range(chunk), plain)]
+    fns = {}
+
+    def draw(loader):
+        return lambda: [b for _, b in zip(range(chunk), iter(loader))]
+
+    trainer.start_epoch_data()
+    fns["data: pimm train loader"] = draw(trainer.train_loader)
+    fns["data: DataLoader(shuffle=True)"] = draw(plain)
+
+    model, optimizer = trainer.model, trainer.optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)  # the raw loop's own, on a twin optimizer
+
+    def raw_steps():  # the loss record is InformationWriter's job on the pimm side, so not here either
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            model(batch)["loss"].backward()
+            optimizer.step()
+            scheduler.step()
+
+    def pimm_steps():
+        trainer._data_iter = iter(batches)
+        for _ in batches:
+            trainer.run_step()
+
+    fns["step: raw step body"] = raw_steps
+    fns["step: DefaultTrainer.run_step"] = pimm_steps
+
+    trainer.call_hooks("before_train")
+    state = trainer.train_state
+
+    def hooks(before, after):
+        def run():
+            state.iter_in_epoch = 0
+            for _ in range(chunk):
+                for fn in before:
+                    fn()
+                state.iter_in_epoch += 1
+                state.global_step += 1
+                state.samples_seen += trainer.samples_per_step
+                for fn in after:
+                    fn()
+                trainer.preemption.should_stop(state.global_step)
+            _drain_tensorboard(trainer)
+        return run
+
+    dispatch = trainer._dispatch
+    fns["hooks: all before/after_step (default set)"] = hooks(dispatch["before_step"], dispatch["after_step"])
+    for fn in dispatch["after_step"]:
+        name = type(fn.__self__).__name__
+        fns[f"hooks: {name} only"] = hooks(dispatch["before_step"] if name == "IterationTimer" else (), (fn,))
+    fns["hooks: none (loop bookkeeping only)"] = hooks((), ())
+    info_writer = next(fn for fn in dispatch["after_step"] if type(fn.__self__).__name__ == "InformationWriter")
+    with_tb = hooks((), (info_writer,))
+
+    def without_tb():
+        # The same writer with its TensorBoard handle switched off for this call.
+        trainer.writer.flush()
+        tb, trainer.writer._tb = trainer.writer._tb, None
+        try:
+            with_tb()
+        finally:
+            trainer.writer._tb = tb
+
+    fns["hooks: InformationWriter only, no TensorBoard"] = without_tb
+    results = _fastest(fns)
+    calls = {}
+    for name, fn in fns.items():  # deterministic: Python calls made on the training thread
+        profiler = cProfile.Profile()
+        profiler.runcall(fn)
+        calls[name] = pstats.Stats(profiler).total_calls / chunk
+    trainer.close()
+
+    per_step = {name: (wall / chunk * 1e6, cpu / chunk * 1e6, calls[name]) for name, (wall, cpu) in results.items()}
+    raw_cpu = per_step["step: raw step body"][1] + per_step["data: DataLoader(shuffle=True)"][1]
+    print(f"\n# components per step: fastest of 11 x {chunk} steps, interleaved; python calls on the training "
+          f"thread (deterministic; tensorboardX's own threads not included)")
+    for name, (wall, cpu, n) in per_step.items():
+        print(f"{name:46s} wall {wall:8.1f} us  cpu {cpu:8.1f} us  calls {n:7.1f}")
+
+    def minus(a: str, b: str) -> tuple:
+        return tuple(x - y for x, y in zip(per_step[a], per_step[b]))
+
+    extra = {"data loading (pimm loader - DataLoader)": minus("data: pimm train loader", "data: DataLoader(shuffle=True)"),
+             "run_step (pimm - raw step body)": minus("step: DefaultTrainer.run_step", "step: raw step body")}
+    extra.update({name[7:]: value for name, value in per_step.items()
+                  if name.startswith("hooks: ") and "default set" not in name})
+    print(f"## ranked extra cost per step (cpu; % of the raw loop's {raw_cpu:.0f} us/step). Differences below "
+          f"~5% of the raw step are within this machine's noise: trust the call counts there")
+    for name, (wall, cpu, n) in sorted(extra.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name:46s} cpu {cpu:+7.1f} us ({cpu / raw_cpu * 100:+5.1f} %)  wall {wall:+7.1f} us  calls {n:+7.1f}")
 
 
 def main() -> None:
+    global HIDDEN
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each loop (alternating)")
+    parser.add_argument("--rounds", type=int, default=11, help="timed rounds of each loop (alternating)")
     parser.add_argument("--profile", action="store_true", help="also cProfile one pimm epoch loop")
-    parser.add_argument("--ablate", action="store_true",
-                        help="also time pimm with single components switched off (attribution)")
+    parser.add_argument("--hidden", type=int, default=HIDDEN,
+                        help="MLP width; a small one (e.g. 16) makes the framework's own cost stand out")
+    parser.add_argument("--components", action="store_true",
+                        help="also time pimm's per-step pieces in isolation, ranked")
     args = parser.parse_args()
+    HIDDEN = args.hidden
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="pimm-bench-") as tmp:
         workdir = Path(tmp)
@@ -309,28 +389,37 @@ def main() -> None:
         run_raw(0)
         warm = run_pimm(workdir, "warmup", 0)
         assert len(warm["losses"]) == STEPS, f"pimm logged {len(warm['losses'])} losses, expected {STEPS}"
-        lr_gap = check_same_schedule(warm["lrs"])
-        raw_ms, pimm_ms, total_ms = [], [], []
+        rows = []
         for r in range(args.rounds):
-            raw = run_raw(r + 1)
-            pimm = run_pimm(workdir, f"round{r}", r + 1)
-            raw_ms.append(raw["loop"] / STEPS * 1e3)
-            pimm_ms.append(pimm["loop"] / STEPS * 1e3)
-            total_ms.append(pimm["total"] * 1e3)
-            print(f"round {r}: raw {raw_ms[-1]:.3f} ms/step  pimm {pimm_ms[-1]:.3f} ms/step  "
-                  f"ratio {pimm_ms[-1] / raw_ms[-1]:.3f}  (pimm train() total {total_ms[-1]:.0f} ms)", flush=True)
-        raw_med, pimm_med = statistics.median(raw_ms), statistics.median(pimm_ms)
+            rows.append({"raw": run_raw(r + 1), "pimm": run_pimm(workdir, f"round{r}", r + 1)})
+            raw, ours = rows[-1]["raw"], rows[-1]["pimm"]
+            print(f"round {r}: raw {raw['loop'] / STEPS * 1e3:.3f} ms/step  pimm {ours['loop'] / STEPS * 1e3:.3f} "
+                  f"ms/step  ratio {ours['loop'] / raw['loop']:.3f}  |  cpu: raw {raw['cpu'] / STEPS * 1e3:.3f} "
+                  f"pimm {ours['cpu'] / STEPS * 1e3:.3f} ratio {ours['cpu'] / raw['cpu']:.3f}  |  "
+                  f"pimm train() total {ours['total'] * 1e3:.0f} ms", flush=True)
+
+        def med(side: str, key: str) -> float:
+            return statistics.median(row[side][key] for row in rows) / STEPS * 1e3
+
+        raw_med, pimm_med = med("raw", "loop"), med("pimm", "loop")
+        used_gap, after_gap = check_same_schedule(warm["lrs"])
+        total_ms = statistics.median(row["pimm"]["total"] for row in rows) * 1e3
+        tail_ms = statistics.median(row["pimm"]["total"] - row["pimm"]["loop"] for row in rows) * 1e3
         print(f"\nworkload: {STEPS} steps, batch {BATCH}, MLP {IN_DIM}-{HIDDEN}-{HIDDEN}-{NUM_CLASSES}, AdamW, "
-              f"CosineWarmupLR, 1 thread, num_workers 0; pimm hooks: default_runtime.py defaults")
+              f"CosineWarmupLR(warmup_ratio={WARMUP_RATIO}), 1 thread, num_workers 0; "
+              f"pimm hooks: the default_runtime.py defaults")
         print(f"pimm checkpoints per run: {len(warm['checkpoints'])} ({', '.join(warm['checkpoints'])}), "
-              f"epoch-end only; excluded from ms/step")
-        print(f"LR schedules match: max |lr_pimm - lr_raw| = {lr_gap:.2e}")
-        print(f"pimm train() total (loop + epoch-end checkpoint + close), median: {statistics.median(total_ms):.0f} ms"
-              f" = {statistics.median(total_ms) / STEPS:.3f} ms/step amortised")
-        print(f"min over rounds: raw {min(raw_ms):.3f} pimm {min(pimm_ms):.3f} ratio {min(pimm_ms) / min(raw_ms):.3f}")
+              f"the epoch-end save; excluded from ms/step")
+        print(f"LR schedule check: max |pimm train/lr - raw lr after step| = {after_gap:.1e} "
+              f"(vs lr used by the step: {used_gap:.1e})")
+        print(f"pimm train() total (loop + epoch-end checkpoint + close), median {total_ms:.0f} ms; "
+              f"outside the loop (before_train, epoch-end save, close) median {tail_ms:.0f} ms")
+        print(f"cpu time (process_time, all threads) per step: raw {med('raw', 'cpu'):.4f} ms  "
+              f"pimm {med('pimm', 'cpu'):.4f} ms  cpu_overhead_ratio={_median_ratio(rows, 'cpu'):.4f} "
+              f"(median of per-round ratios: wall {_median_ratio(rows, 'loop'):.4f})")
         print(f"raw_ms_per_step={raw_med:.4f} pimm_ms_per_step={pimm_med:.4f} overhead_ratio={pimm_med / raw_med:.4f}")
-        if args.ablate:
-            ablate(workdir, max(3, args.rounds // 2))
+        if args.components:
+            measure_components(workdir)
         if args.profile:
             profile_pimm(workdir)
 
