@@ -17,16 +17,21 @@ every checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from pimm.engines.checkpoint import CheckpointManager
-from tests.support.run import final_weights, run_tool, train_losses, write_toy_config
+from tests.support.run import ROOT, env, final_weights, train_losses, write_toy_config
 
 STEPS_PER_EPOCH, EPOCHS = 10, 3
 TOTAL_STEPS = STEPS_PER_EPOCH * EPOCHS
@@ -34,6 +39,10 @@ CHECKPOINT_STEPS = set(range(5, TOTAL_STEPS + 1, 5))
 NEVER = 10**9
 SIGKILLED = -9
 PREEMPTED = 75
+# A run whose train.log stops growing for STALL_S once training has started is
+# deadlocked (a healthy toy run logs several lines a second); start-up (imports,
+# process group) may take up to STARTUP_S on a loaded machine.
+STALL_S, STARTUP_S = 30, 180
 
 # Every run of this module uses the same hook list (kill and crash points are
 # set per run with --options), so resumes never see a different hook layout.
@@ -62,15 +71,40 @@ class Run:
         config_dir = Path(root) / f"cfg{Run._count}-{name}"
         config_dir.mkdir(parents=True)
         self.save = Path(root) / name
-        self.cfg = write_toy_config(config_dir, self.save,
-                                    HOOKS.format(num_worker=num_worker, eval_every=eval_every, never=NEVER))
+        self.cfg = write_toy_config(config_dir, self.save, HOOKS.format(
+            num_worker=num_worker, eval_every=eval_every, never=NEVER))
+        self.output = config_dir / "output.txt"
 
-    def train(self, *options: str, expect: int = 0, num_gpus: int = 1):
-        proc = run_tool("train", self.cfg, *options, num_gpus=num_gpus)
+    def train(self, *options: str, expect: int = 0, num_gpus: int = 1) -> None:
+        """Run tools/train.py in its own process group; a run that stalls is killed
+        with all its ranks and data workers (never left behind) and fails the test."""
+        cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(self.cfg)]
+        cmd += ["--num-gpus", str(num_gpus)] if num_gpus != 1 else []
+        cmd += ["--options", *options] if options else []
+        log = self.save / "train.log"
+        with open(self.output, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
+                                    start_new_session=True)
+            initial_size = last_size = log.stat().st_size if log.exists() else 0
+            last_change = time.monotonic()
+            while proc.poll() is None:
+                size = log.stat().st_size if log.exists() else 0
+                if size != last_size:
+                    last_size, last_change = size, time.monotonic()
+                limit = STALL_S if last_size > initial_size else STARTUP_S
+                if time.monotonic() - last_change > limit:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    pytest.fail(f"tools/train.py --options {' '.join(options)} (num_gpus={num_gpus}) made no "
+                                f"progress for {limit}s (deadlock?); killed.\n--- train.log ---\n{self.log()[-3000:]}")
+                time.sleep(0.1)
+        try:  # data workers of a SIGKILLed run may outlive it for a moment
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if proc.returncode != expect:
             pytest.fail(f"tools/train.py --options {' '.join(options)} exited {proc.returncode}, expected {expect}\n"
-                        f"--- stderr ---\n{proc.stderr[-3000:]}\n--- train.log ---\n{self.log()[-4000:]}")
-        return proc
+                        f"--- output ---\n{self.output.read_text()[-3000:]}\n--- train.log ---\n{self.log()[-4000:]}")
 
     def log(self) -> str:
         path = self.save / "train.log"
@@ -141,11 +175,13 @@ def lines_after_newest_checkpoint(run: Run) -> list[dict]:
 
 
 def kill_points(seed: str) -> list[int]:
-    """Three SIGKILL steps, one per epoch: between checkpoints in epoch 1, right
-    after a committed checkpoint in epoch 2, between checkpoints in epoch 3."""
+    """Three SIGKILL steps, one per epoch: between checkpoints in epoch 1; right
+    after a checkpoint in epoch 2 (11: one step after the epoch-end save, 15:
+    KillAtStep runs after CheckpointSaver, so it dies just after the commit,
+    16: one step after it); anywhere off the checkpoints in epoch 3."""
     rng = random.Random(seed)
-    first = rng.choice([s for s in range(2, 10) if s not in CHECKPOINT_STEPS])
-    second = rng.choice([10, 11, 15, 16])  # KillAtStep runs after CheckpointSaver: 10/15 die right after a commit
+    first = rng.choice([6, 7, 8, 9])
+    second = rng.choice([11, 15, 16])
     third = rng.choice([s for s in range(21, 30) if s not in CHECKPOINT_STEPS])
     return [first, second, third]
 
@@ -156,12 +192,17 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, referenc
     ref = reference(num_worker)
     run = Run(tmp_path, "killed", num_worker=num_worker)
     kills = kill_points(f"kill-points-{num_worker}")
-    expected_rewound = []
-    for i, step in enumerate(kills):
-        run.train(f"hooks.KillAtStep.step={step}", *(["resume=True"] if i else []), expect=SIGKILLED)
-        assert max(run.committed(), default=0) <= step
+    expected_rewound, resumed_from = [], []
+    for step in kills:
+        # resume=True from the start: on an empty save_path it starts a fresh run.
+        run.train(f"hooks.KillAtStep.step={step}", "resume=True", expect=SIGKILLED)
+        resumed_from.append(max(run.committed(), default=0))
+        assert resumed_from[-1] <= step
         expected_rewound += lines_after_newest_checkpoint(run)
     run.train("resume=True")
+    # The kill points cover resuming from an epoch-end and from a mid-epoch checkpoint.
+    assert {s % STEPS_PER_EPOCH == 0 for s in resumed_from if s} == {True, False}, resumed_from
+    assert run.log().count("holds no complete checkpoint: starting a fresh run") == 1
 
     assert_same_weights(run, ref)
     # The whole metrics file, not only train/loss: val/ and train/lr records too.
@@ -172,22 +213,22 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, referenc
     # Hook state round trip: RecordingHook counted every step exactly once across four processes.
     assert hook_state(run, "RecordingHook") == {"steps_seen": TOTAL_STEPS}
     assert hook_state(ref, "RecordingHook") == {"steps_seen": TOTAL_STEPS}
-    assert run.log().count("Resumed from") == len(kills)
+    assert run.log().count("Resumed from") == len(kills)  # the first run had nothing to resume from
 
 
 def test_sigkill_while_writing_a_checkpoint_leaves_it_ignored(tmp_path, reference):
     ref = reference(0)
     run = Run(tmp_path, "crash-in-save")
-    run.train("hooks.CrashDuringSave.step=15", expect=SIGKILLED)
-    # The save of step 15 died half-way through common.pth: only its .tmp folder exists.
-    assert run.committed() == [5, 10]
-    assert run.tmp_folders() == [".tmp-step000000015-epoch0001"]
-    partial = run.save / "checkpoints" / ".tmp-step000000015-epoch0001"
+    # The epoch-end save at step 20 dies half-way through common.pth: only its .tmp folder exists.
+    run.train("hooks.CrashDuringSave.step=20", expect=SIGKILLED)
+    assert run.committed() == [10, 15]
+    assert run.tmp_folders() == [".tmp-step000000020-epoch0002"]
+    partial = run.save / "checkpoints" / ".tmp-step000000020-epoch0002"
     assert (partial / "rank00000.pth").is_file() and (partial / "common.pth").is_file()
     assert not (partial / "COMMITTED").exists()
 
     run.train("resume=True")
-    assert "Resumed from step000000010-epoch0001" in run.log()
+    assert "Resumed from step000000015-epoch0001" in run.log()
     assert run.tmp_folders() == [], "the partial checkpoint folder was never cleaned up"
     assert run.committed()[-1] == TOTAL_STEPS
     assert_same_weights(run, ref)
@@ -195,15 +236,24 @@ def test_sigkill_while_writing_a_checkpoint_leaves_it_ignored(tmp_path, referenc
 
 
 # -- SIGTERM pre-emption ---------------------------------------------------------
-@pytest.mark.parametrize("num_worker,step", [(0, 7), pytest.param(2, 13, marks=pytest.mark.slow)])
-def test_sigterm_checkpoints_at_that_step_exits_75_and_resumes_exactly(tmp_path, reference, num_worker, step):
+@pytest.mark.parametrize("num_worker,step,second_signal", [
+    (0, 7, True), pytest.param(2, 13, False, marks=pytest.mark.slow)], ids=["w0-twice", "w2"])
+def test_sigterm_checkpoints_at_that_step_exits_75_and_resumes_exactly(tmp_path, reference, num_worker, step,
+                                                                       second_signal):
     ref = reference(num_worker)
     run = Run(tmp_path, "sigterm", num_worker=num_worker)
     # The step is off the save_freq grid, so the data loader's state is taken between its snapshots.
-    run.train(f"hooks.KillAtStep.step={step}", "hooks.KillAtStep.signal_name='SIGTERM'", expect=PREEMPTED)
+    options = [f"hooks.KillAtStep.step={step}", "hooks.KillAtStep.signal_name='SIGTERM'"]
+    if second_signal:  # another SIGTERM arrives while the pre-emption checkpoint is being written
+        options += [f"hooks.CrashDuringSave.step={step}", "hooks.CrashDuringSave.signal_name='SIGTERM'"]
+    run.train(*options, expect=PREEMPTED)
     assert run.committed()[-1] == step
-    assert f"Pre-empted by SIGTERM at step {step}" in run.log()
     assert run.tmp_folders() == []
+    assert run.log().count("Pre-empted by SIGTERM") == 1
+    assert f"Pre-empted by SIGTERM at step {step}" in run.log()
+    loaded = CheckpointManager(run.save / "checkpoints").load_latest()  # sizes match the manifest, files load
+    assert loaded.path.name.startswith(f"step{step:09d}-")
+    assert loaded.common["train_state"]["global_step"] == step
 
     run.train("resume=True")
     assert f"Resumed from step{step:09d}" in run.log()
@@ -212,57 +262,39 @@ def test_sigterm_checkpoints_at_that_step_exits_75_and_resumes_exactly(tmp_path,
     assert_clean_losses(run, ref)
 
 
-def test_second_sigterm_during_the_preemption_save_corrupts_nothing(tmp_path):
-    run = Run(tmp_path, "double-sigterm")
-    run.train("hooks.KillAtStep.step=7", "hooks.KillAtStep.signal_name='SIGTERM'",
-              "hooks.CrashDuringSave.step=7", "hooks.CrashDuringSave.signal_name='SIGTERM'", expect=PREEMPTED)
-    assert run.committed()[-1] == 7
-    assert run.tmp_folders() == []
-    assert run.log().count("Pre-empted by") == 1
-    loaded = CheckpointManager(run.save / "checkpoints").load_latest()
-    assert loaded is not None and loaded.path.name == "step000000007-epoch0000"
-    assert loaded.common["train_state"]["global_step"] == 7
-    assert loaded.rank_state["hooks"] is not None
-
-
 @pytest.mark.slow
 def test_two_process_sigterm_then_resume_is_bit_identical(tmp_path, reference):
+    # The reference is also the regression test for a deadlock: with log_frequency=4 the
+    # scalars of steps 5, 15 and 25 are still buffered when those checkpoints are saved,
+    # and flushing them is a collective that every rank must join.
     ref = reference(0, num_gpus=2)
+    assert ref.committed()[-2:] == [25, 30]
     run = Run(tmp_path, "sigterm-2proc")
     # Both ranks signal themselves after step 7; ranks agree to stop at the next
     # cross-rank check (every 10 steps), here the last step of epoch 1.
     run.train("hooks.KillAtStep.step=7", "hooks.KillAtStep.signal_name='SIGTERM'", expect=PREEMPTED, num_gpus=2)
     stopped = run.committed()[-1]
     assert 7 <= stopped < 7 + 10
+    assert f"Pre-empted by SIGTERM at step {stopped}" in run.log()
     manifest = json.loads((CheckpointManager(run.save / "checkpoints").committed()[-1] / "COMMITTED").read_text())
     assert manifest["world_size"] == 2 and set(manifest["files"]) == {"common.pth", "rank00000.pth", "rank00001.pth"}
 
     run.train("resume=True", num_gpus=2)
     assert_same_weights(run, ref)
     assert_clean_losses(run, ref)
+    assert run.records() == ref.records()
 
 
 # -- damaged checkpoints -----------------------------------------------------------
-def _truncate(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 3])
-
-
-def _garble_header(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[:64] = bytes(64)  # same size, unreadable zip header
-    path.write_bytes(bytes(data))
-
-
-@pytest.mark.parametrize("damage,file", [(_truncate, "common.pth"), (_garble_header, "rank00000.pth")],
-                         ids=["truncated-common", "garbled-rank-file"])
-def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, reference, damage, file):
+def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, reference):
+    """Truncated common.pth (other damage is covered in test_checkpoint_manager.py)."""
     ref = reference(0)
     run = Run(tmp_path, "damaged")
     run.copy_from(ref)
     checkpoints = run.save / "checkpoints"
     assert run.committed() == [25, 30]
-    damage(checkpoints / "step000000030-epoch0003" / file)
+    common = checkpoints / "step000000030-epoch0003" / "common.pth"
+    common.write_bytes(common.read_bytes()[:1000])
     # A newer folder without a manifest (an uncommitted save) must not even be considered.
     orphan = checkpoints / "step000000035-epoch0003"
     shutil.copytree(checkpoints / "step000000025-epoch0002", orphan)
@@ -296,25 +328,23 @@ def test_mid_epoch_evaluation_does_not_perturb_training_and_resumes_exactly(tmp_
 
 
 # -- resume edge cases ---------------------------------------------------------------
-def test_resume_on_empty_save_path_starts_fresh(tmp_path, reference):
-    run = Run(tmp_path, "fresh")
-    run.train("resume=True")
-    assert "holds no complete checkpoint: starting a fresh run" in run.log()
-    assert_same_weights(run, reference(0))
-
-
-def test_resume_of_finished_run_is_noop_and_raising_epoch_extends_it(tmp_path, reference):
+def test_resume_of_a_finished_run_is_a_noop(tmp_path, reference):
     ref = reference(0)
     run = Run(tmp_path, "finished")
     run.copy_from(ref)
     metrics_before = (run.save / "metrics.jsonl").read_bytes()
 
     run.train("resume=True")
-    assert "Nothing to train" in run.log()
+    assert "Nothing to train: 3 of 3 epochs are already done" in run.log()
     assert_same_weights(run, ref)
     assert (run.save / "metrics.jsonl").read_bytes() == metrics_before
     assert run.committed()[-1] == TOTAL_STEPS
 
+
+def test_raising_epoch_on_a_finished_run_extends_it(tmp_path, reference):
+    ref = reference(0)
+    run = Run(tmp_path, "extended")
+    run.copy_from(ref)
     run.train("resume=True", "epoch=4")
     assert re.search(r"WARNING.*schedule length changed \(30 -> 40", run.log())
     assert_clean_losses(run, total=TOTAL_STEPS + STEPS_PER_EPOCH)
