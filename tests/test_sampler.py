@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulRandomSampler
-from pimm.engines.data import build_train_loader, shutdown_loader
+from pimm.engines.data import build_train_loader, shutdown_loader, train_sampler
 from pimm.utils.rng import capture_rng_state, derive_seed, restore_rng_state, seed_all
 from tests.support.toy import ToyDataset
 
@@ -133,7 +133,7 @@ def make_loader(num_workers: int, rank: int = 0, world_size: int = 1, batch_size
 def start_epoch(loader, epoch: int, rank: int = 0, start: int = 0):
     """What DefaultTrainer.start_epoch_data does at the start of every epoch
     (``start``: global samples to skip, set when the epoch is resumed)."""
-    loader.sampler.set_epoch(epoch, start)
+    train_sampler(loader).set_epoch(epoch, start)
     loader.generator.manual_seed(derive_seed(11, rank, epoch, 2))
     return iter(loader)
 

@@ -18,7 +18,7 @@ from torch.utils.data import Sampler
 
 from pimm.utils.rng import derive_seed
 
-__all__ = ["SampleKey", "StatefulRandomSampler", "RatioSampler", "ShardedEvalSampler"]
+__all__ = ["SampleKey", "StatefulRandomSampler", "RatioSampler", "StatefulBatchSampler", "ShardedEvalSampler"]
 
 
 class SampleKey(tuple):
@@ -193,6 +193,55 @@ class RatioSampler(StatefulRandomSampler):
             perms = torch.cat([torch.randperm(size, generator=generator) for _ in range(rounds)])
             order[slots] = perms[: len(slots)] + offsets[d]
         return order.tolist()
+
+
+class _BatchIterator:
+    """Cuts this rank's epoch share into batches by slicing: one call per batch
+    instead of one per sample. Its state is the number of batches yielded."""
+
+    def __init__(self, batch_sampler: "StatefulBatchSampler"):
+        self.items = batch_sampler.sampler.rank_items()
+        self.batch_size = batch_sampler.batch_size
+        self.yielded = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list:
+        start = self.yielded * self.batch_size
+        batch = self.items[start:start + self.batch_size]
+        if len(batch) < self.batch_size:  # drop_last: every step has a full batch
+            raise StopIteration
+        self.yielded += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.yielded = int(state["yielded"])
+
+
+class StatefulBatchSampler(Sampler[list]):
+    """Full batches of a :class:`StatefulRandomSampler`'s epoch share."""
+
+    def __init__(self, sampler: StatefulRandomSampler, batch_size: int):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.sampler = sampler
+        self.batch_size = int(batch_size)
+
+    def __iter__(self):
+        return _BatchIterator(self)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
 
 
 class ShardedEvalSampler(Sampler[SampleKey]):

@@ -23,10 +23,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulRandomSampler
+from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulBatchSampler, StatefulRandomSampler
 from pimm.utils.rng import derive_seed, seed_cpu_streams
 
-__all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader"]
+__all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader",
+           "train_sampler"]
 
 # torchdata calls a deprecated torch API on every loader construction; the
 # warning is torchdata's to fix and says nothing to a pimm user.
@@ -55,8 +56,10 @@ class SeededDataset(Dataset):
         return self.dataset[key]
 
     def __getitems__(self, keys: list) -> list:
-        # One call per batch; also spares torch's per-batch hasattr probe a
-        # trip through __getattr__ below.
+        # One call per batch (torch prefers it to per-sample __getitem__).
+        dataset = self.dataset
+        if get_worker_info() is None:
+            return [dataset[k[0] if type(k) is SampleKey else k] for k in keys]
         return [self[key] for key in keys]
 
     def __getattr__(self, name):
@@ -76,6 +79,12 @@ def worker_init_fn(worker_id: int) -> None:
 
 
 _LOADERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def train_sampler(loader) -> StatefulRandomSampler | None:
+    """The position-keeping sampler behind a training loader (None for iterable data)."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return sampler if isinstance(sampler, StatefulRandomSampler) else None
 
 
 def shutdown_loader(loader) -> None:
@@ -123,7 +132,6 @@ def build_train_loader(
     """A resumable training loader for this rank. ``batch_size`` is per rank;
     ``sampler`` replaces the default shuffled :class:`StatefulRandomSampler`."""
     common = dict(
-        batch_size=batch_size,
         num_workers=num_workers,
         collate_fn=collate_fn,
         pin_memory=pin_memory,
@@ -133,12 +141,13 @@ def build_train_loader(
         snapshot_every_n_steps=snapshot_every_n_steps or 1_000_000_000,
     )
     if isinstance(dataset, IterableDataset):
-        loader = StatefulDataLoader(dataset, **common)
+        loader = StatefulDataLoader(dataset, batch_size=batch_size, **common)
     else:
         if sampler is None:
             sampler = StatefulRandomSampler(len(dataset), rank=rank, world_size=world_size, seed=seed,
                                             shuffle=shuffle, with_seeds=num_workers > 0)
-        loader = StatefulDataLoader(SeededDataset(dataset), sampler=sampler, drop_last=True, **common)
+        loader = StatefulDataLoader(SeededDataset(dataset), batch_sampler=StatefulBatchSampler(sampler, batch_size),
+                                    **common)
     _LOADERS.add(loader)
     return loader
 

@@ -288,8 +288,8 @@ class DefaultTrainer(TrainerBase):
     def start_epoch_data(self) -> None:
         """Start iterating the current epoch (from a resumed position if one is pending).
         A loader state restored from a checkpoint is applied by StatefulDataLoader here."""
-        sampler = getattr(self.train_loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        sampler = data_lib.train_sampler(self.train_loader)
+        if sampler is not None:
             sampler.set_epoch(self.epoch, self._pending_start_sample)
         self._pending_start_sample = 0
         self.train_loader.generator.manual_seed(derive_seed(self.cfg.seed, self.rank, self.epoch, 2))
@@ -327,29 +327,46 @@ class DefaultTrainer(TrainerBase):
             start = time.perf_counter()
             batch = self._to_device(self._next_batch())
             data_time += time.perf_counter() - start
-            no_sync = micro < accum - 1 and self.model is not self.model_without_ddp
-            with self.model.no_sync() if no_sync else contextlib.nullcontext():
-                with self.autocast():
-                    output = self.model(batch)
-                loss = output.get("loss") if isinstance(output, dict) else None
-                if loss is None:
-                    raise UserError(f"model {type(self.model_without_ddp).__name__} returned no 'loss' in training "
-                                    "mode; its forward must return a dict with a scalar 'loss'")
-                if accum > 1:
-                    loss = loss / accum
-                self.scaler.scale(loss).backward()
-            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+            if micro < accum - 1 and self.model is not self.model_without_ddp:
+                with self.model.no_sync():  # gradients are all-reduced once, on the last micro-batch
+                    output, loss = self._forward_backward(batch)
+            else:
+                output, loss = self._forward_backward(batch)
+            step_loss = loss if step_loss is None else step_loss + loss
         if self.clip_grad is not None:
-            self.scaler.unscale_(self.optimizer)
+            if self.scaler.is_enabled():
+                self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         info = self.comm_info
         info["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
         info["input_dict"], info["model_output_dict"] = batch, output
         info["loss"], info["data_time"] = step_loss, data_time
+
+    def _forward_backward(self, batch):
+        if self.cfg.enable_amp:
+            with self.autocast():
+                output = self.model(batch)
+        else:
+            output = self.model(batch)
+        try:
+            loss = output["loss"]
+        except (KeyError, TypeError, IndexError):
+            raise UserError(f"model {type(self.model_without_ddp).__name__} returned no 'loss' in training mode; "
+                            "its forward must return a dict with a scalar 'loss'") from None
+        if self.grad_accum_steps > 1:
+            loss = loss / self.grad_accum_steps
+        if self.scaler.is_enabled():
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        return output, loss.detach()
 
 
     def close(self, flush: bool = True) -> None:

@@ -3,7 +3,7 @@ streams, the hooks' states, and the metadata a resume compares against."""
 
 from __future__ import annotations
 
-from pimm.distributed.sampler import StatefulRandomSampler
+from pimm.engines.data import train_sampler
 from pimm.engines.resume import flatten_config
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 
@@ -76,7 +76,7 @@ class LoaderParticipant:
     def state_dict(self) -> dict:
         trainer = self.trainer
         state = trainer.train_state
-        if isinstance(getattr(trainer.train_loader, "sampler", None), StatefulRandomSampler):
+        if train_sampler(trainer.train_loader) is not None:
             return {"kind": "position", "epoch": state.epoch, "samples_in_epoch": state.samples_seen_in_epoch()}
         # Between epochs the loader still describes the finished epoch's iterator.
         return {"kind": "loader", "state": trainer.train_loader.state_dict() if state.iter_in_epoch else None}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pimm.engines.data import train_sampler
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
 
@@ -96,8 +97,8 @@ def resume_training(trainer) -> bool:
     if changed_layout:
         consumed = state.samples_seen_in_epoch()
         state.load_state_dict(new_layout)
-        sampler = getattr(trainer.train_loader, "sampler", None)
-        if state.iter_in_epoch > 0 and hasattr(sampler, "set_epoch"):
+        sampler = train_sampler(trainer.train_loader)
+        if state.iter_in_epoch > 0 and sampler is not None:
             # Continue after the same number of samples, in the new layout's steps.
             sampler.set_epoch(state.epoch, consumed)
             remaining = len(trainer.train_loader) // state.grad_accum_steps

@@ -75,7 +75,8 @@ class MetricsWriter:
         tensors = [v for _, _, scalars, _ in pending for v in scalars.values() if isinstance(v, torch.Tensor)]
         values = iter(())
         if tensors:
-            stacked = torch.stack([t.detach().float().reshape(()) for t in tensors])
+            # One stack and one host transfer for the whole window.
+            stacked = torch.stack([t.detach().reshape(()) for t in tensors]).float()
             values = iter(comm.all_reduce(stacked, op="mean").tolist())
         records, dense_flags = [], []
         for step, epoch, scalars, dense in pending:
