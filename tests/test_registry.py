@@ -85,6 +85,13 @@ def test_duplicate_name_is_an_error_unless_forced(reg):
     assert reg.get("Thing") is Replacement
 
 
+def test_failed_alias_registration_registers_nothing(reg):
+    reg.register_module("Taken", module=type("Taken", (), {}))
+    with pytest.raises(KeyError):
+        reg.register_module(["Fresh", "Taken"], module=type("New", (), {}))
+    assert "Fresh" not in reg
+
+
 def test_registering_the_same_object_twice_is_harmless(reg):
     # A module imported twice (e.g. via custom_imports and a normal import) re-runs its decorators.
     class Once:
@@ -206,8 +213,6 @@ def test_user_error_inside_constructor_keeps_its_class_and_gains_context(reg):
     assert str(info.value) == "widget Picky: /no/such does not exist"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: build_from_cfg re-raises a UserError as type(err)(message); a "
-                                       "subclass whose __init__ takes other arguments turns into a TypeError")
 def test_user_error_subclass_with_own_constructor_keeps_its_class(reg):
     class DataFileError(UserError):
         def __init__(self, path, why):

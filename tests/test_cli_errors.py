@@ -1,0 +1,174 @@
+"""Bad input to tools/train.py and tools/test.py: exit code 2, one ``error:``
+line on stderr that names the culprit, no traceback (SPEC, "Exit codes").
+
+Every case is a real subprocess. Starting Python and torch dominates their
+cost, so the module fixture runs all selected cases concurrently (a few at a
+time) once, and each parametrized test then checks its own result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.run import env as tool_env  # noqa: E402
+from tests.support.run import write_toy_config  # noqa: E402
+
+PARALLEL = 3
+
+
+@dataclass
+class Case:
+    """One bad invocation. ``culprits`` must all appear in the error line."""
+
+    id: str
+    culprits: tuple[str, ...]
+    options: tuple[str, ...] = ()
+    extra: str = ""  # Python appended to the toy config
+    tool: str = "train"
+    num_gpus: int | None = None
+    argv: tuple[str, ...] = ()  # extra raw command-line tokens
+    config: Callable[[Path], Path] | None = None  # builds a special config file instead of the toy one
+    setup: Callable[[Path], None] | None = None  # prepares the case directory before the run
+    verify: Callable[[dict], None] | None = None  # further checks on the run_case result
+    marks: tuple = field(default_factory=tuple)  # e.g. an xfail for a known bug
+
+
+def _missing_config(directory: Path) -> Path:
+    return directory / "no_such_config.py"
+
+
+def _syntax_error_config(directory: Path) -> Path:
+    path = directory / "broken_cfg.py"
+    path.write_text("epoch = 3\nbatch_size = = 16\n")
+    return path
+
+
+def _existing_run(directory: Path) -> None:
+    """An earlier run in save_path: config, log, metrics and a committed checkpoint."""
+    run = directory / "save"
+    (run / "checkpoints" / "step000000010-epoch0001").mkdir(parents=True)
+    (run / "checkpoints" / "step000000010-epoch0001" / "COMMITTED").write_text('{"global_step": 10}')
+    (run / "checkpoints" / "step000000010-epoch0001" / "common.pth").write_bytes(os.urandom(256))
+    (run / "config.py").write_text("epoch = 3\n")
+    (run / "train.log").write_text("earlier run\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "epoch": 1, "train/loss": 0.5}\n')
+
+
+def _left_byte_identical(result: dict) -> None:
+    assert len(result["before"]) == 5 and result["after"] == result["before"]
+
+
+def _code_not_run(result: dict) -> None:
+    assert not (result["directory"] / "CODE_RAN").exists()
+
+
+CASES = [
+    Case("missing_config", ("no_such_config.py",), config=_missing_config),
+    Case("config_syntax_error", ("broken_cfg.py:2",), config=_syntax_error_config),
+    Case("unknown_model_type", ("ToyMLq", "'ToyMLP'"), options=("model.type=ToyMLq",)),
+    Case("wrong_model_argument", ("ToyMLP", "hiden"), options=("+model.hiden=3",)),
+    Case("unknown_options_key", ("optimizer.lrr", "'optimizer.lr'"), options=("optimizer.lrr=0.1",)),
+    Case("malformed_option_no_equals", ("lr0.1",), options=("lr0.1",)),
+    Case("malformed_option_no_key", ("'=3'",), options=("=3",)),
+    Case("value_that_tries_code", ("optimizer.lr", "never run as code"),
+         options=("optimizer.lr=__import__('os').system('touch CODE_RAN')",), verify=_code_not_run),
+    Case("batch_not_divisible_by_processes", ("batch_size=15", "2 processes"), options=("batch_size=15",),
+         num_gpus=2),
+    Case("missing_weight_file", ("no_such_weights.pth",), options=("weight=no_such_weights.pth",)),
+    Case("existing_save_path_without_resume", ("already holds checkpoints", "resume=True"), setup=_existing_run,
+         verify=_left_byte_identical),
+    Case("negative_epoch", ("epoch=-1",), options=("epoch=-1",)),
+    Case("zero_batch_size", ("batch_size=0",), options=("batch_size=0",)),
+    Case("negative_batch_size", ("batch_size=-8",), options=("batch_size=-8",)),
+    Case("unknown_hook_type_key", ("NoSuchHook", "CheckpointSaver"), options=("hooks.NoSuchHook.x=1",)),
+    Case("unknown_type_in_hooks_list", ("InformationWritter", "'InformationWriter'"),
+         extra='hooks = hooks[:2] + [dict(type="InformationWritter", log_frequency=4)]\n'),
+    Case("hook_bad_argument_value", ("CheckpointSaver", "save_freq", "-1"),
+         options=("hooks.CheckpointSaver.save_freq=-1",)),
+    Case("resume_without_checkpoint_loader", ("CheckpointLoader",),
+         extra='hooks = [dict(type="InformationWriter")]\n', options=("resume=True",)),
+    Case("zero_processes", ("--num-gpus 0",), num_gpus=0),
+    Case("unknown_cli_flag", ("--bogus",), argv=("--bogus",)),
+    Case("test_tool_without_weight", ("weight",), tool="test"),
+]
+
+
+def _command(case: Case, cfg_path: Path) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "tools" / f"{case.tool}.py"), "--config-file", str(cfg_path)]
+    if case.num_gpus is not None:
+        cmd += ["--num-gpus", str(case.num_gpus)]
+    cmd += list(case.argv)
+    if case.options:
+        cmd += ["--options", *case.options]
+    return cmd
+
+
+def _snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def run_case(case: Case, directory: Path, extra_env: dict | None = None) -> dict:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_path = directory / "save"
+    cfg_path = case.config(directory) if case.config else write_toy_config(directory, save_path, case.extra)
+    if case.setup:
+        case.setup(directory)
+    before = _snapshot(save_path) if save_path.exists() else {}
+    # Relative paths in options (weights, the code marker) resolve inside the case directory.
+    proc = subprocess.run(_command(case, cfg_path), capture_output=True, text=True, timeout=120,
+                          env={**tool_env(), **(extra_env or {})}, cwd=directory)
+    after = _snapshot(save_path) if save_path.exists() else {}
+    return {"proc": proc, "before": before, "after": after, "directory": directory}
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory) -> dict[str, dict]:
+    """Run every selected case once, a few concurrently."""
+    wanted = {item.callspec.params["case"].id for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params}
+    root = tmp_path_factory.mktemp("cli_errors")
+    cases = [c for c in CASES if c.id in wanted]
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        futures = {c.id: pool.submit(run_case, c, root / c.id) for c in cases}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+def test_bad_input_exits_2_with_one_error_line(case, results):
+    result = results[case.id]
+    proc = result["proc"]
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for culprit in case.culprits:
+        assert culprit in lines[0], f"{culprit!r} not named in: {lines[0]}"
+    assert "Traceback" not in proc.stdout
+    if case.verify:
+        case.verify(result)
+
+
+def test_cases_cover_the_contract():
+    assert len(CASES) >= 16 and len({c.id for c in CASES}) == len(CASES)
+
+
+def test_pimm_debug_shows_the_traceback(tmp_path):
+    case = next(c for c in CASES if c.id == "unknown_model_type")
+    proc = run_case(case, tmp_path, extra_env={"PIMM_DEBUG": "1"})["proc"]
+    assert proc.returncode == 2
+    assert "Traceback (most recent call last)" in proc.stderr and "RegistryError" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("error: ") and "ToyMLq" in proc.stderr.splitlines()[-1]
+
