@@ -99,3 +99,37 @@ class KillAtStep(HookBase):
             import signal
 
             os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+@DATASETS.register_module(force=True)
+class ToyStream(torch.utils.data.IterableDataset):
+    """An endless, deterministic stream with its own resumable state: sample k
+    is drawn from a generator seeded by k (single-process loading)."""
+
+    def __init__(self, dim=8):
+        self.dim, self.position = dim, 0
+        self.weights = torch.randn(dim, generator=torch.Generator().manual_seed(1234))
+
+    def __iter__(self):
+        while True:
+            x = torch.randn(self.dim, generator=torch.Generator().manual_seed(self.position))
+            self.position += 1
+            yield {"x": x, "label": (x @ self.weights > 0).long()}
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+@DATASETS.register_module(force=True)
+class ToySizedStream(ToyStream):
+    """The same stream, declaring how many samples make an epoch."""
+
+    def __init__(self, dim=8, length=80):
+        super().__init__(dim)
+        self.length = length
+
+    def num_samples(self):
+        return self.length
