@@ -320,6 +320,10 @@ class DefaultTrainer(TrainerBase):
         return batch.to(self.device, non_blocking=True)
 
     def run_step(self) -> None:
+        info = self.comm_info
+        # Drop the previous step's batch and outputs before this forward pass,
+        # so their memory is reused instead of held through another step.
+        info["input_dict"] = info["model_output_dict"] = info["loss"] = None
         accum = self.grad_accum_steps
         data_time = 0.0
         step_loss = None
@@ -343,7 +347,6 @@ class DefaultTrainer(TrainerBase):
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        info = self.comm_info
         info["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
         info["input_dict"], info["model_output_dict"] = batch, output

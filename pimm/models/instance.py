@@ -65,14 +65,24 @@ def _compact(labels: torch.Tensor) -> torch.Tensor:
     return torch.unique(labels, return_inverse=True)[1]
 
 
+def _per_class(value: float | Sequence[float], num_classes: int, like: torch.Tensor) -> torch.Tensor:
+    """A radius per class as a tensor (a scalar applies to every class)."""
+    if isinstance(value, (int, float)):
+        return like.new_full((num_classes,), float(value))
+    values = like.new_tensor([float(v) for v in value])
+    if len(values) < num_classes:
+        raise ConfigError(f"cluster_instances: {len(values)} per-class radii for {num_classes} classes")
+    return values[:num_classes]
+
+
 def cluster_instances(
     coord: torch.Tensor,
     shifted: torch.Tensor,
     semantic: torch.Tensor,
     batch: torch.Tensor,
     grid_size: float,
-    agree_radius: float,
-    merge_radius: float,
+    agree_radius: float | Sequence[float],
+    merge_radius: float | Sequence[float],
     min_points: int = 1,
     stuff_classes: Sequence[int] = (),
 ) -> torch.Tensor:
@@ -83,6 +93,8 @@ def cluster_instances(
         shifted: (N,3) centroid votes (``coord + offset_pred``).
         semantic: (N,) predicted class; instances never span two classes.
         batch: (N,) event index; instances never span two events.
+        agree_radius, merge_radius: one value, or one per class (showers are
+            diffuse and their votes scatter more than a track's).
 
     Returns (N,) long instance ids, unique across the batch, -1 = unassigned.
     """
@@ -94,20 +106,23 @@ def cluster_instances(
     num_classes = int(semantic.max()) + 1
     group = batch[idx] * num_classes + semantic[idx]  # one graph per (event, class)
     votes = shifted[idx]
+    agree_r = _per_class(agree_radius, num_classes, votes)
+    merge_r = _per_class(merge_radius, num_classes, votes)
 
     # Stage 1: fragments along voxel adjacency where the votes agree.
     vgrid, vgroup, inv = voxelize(event_grid_coord(coord[idx], group, grid_size), group)
     vvote = scatter_mean(votes, inv, vgrid.shape[0])
     a, b, _ = neighbor_pairs(vgrid, vgroup, _NEIGHBORS_26.to(vgrid.device))
-    agree = (vvote[a] - vvote[b]).norm(dim=1) <= agree_radius
+    agree = (vvote[a] - vvote[b]).norm(dim=1) <= agree_r[vgroup[a] % num_classes]
     frag = _compact(connected_components(vgrid.shape[0], a[agree], b[agree]))[inv]
 
     # Stage 2: merge fragments whose mean votes are close. Fragments are linked
-    # to a hash cell of their vote; occupied neighbouring cells are linked too.
+    # to a hash cell of their vote (cells of the class's merge radius);
+    # occupied neighbouring cells are linked too.
     num_frag = int(frag.max()) + 1
-    fvote = scatter_mean(votes, frag, num_frag)
     fgroup = torch.zeros(num_frag, dtype=group.dtype, device=group.device).scatter_(0, frag, group)
-    cell_grid = event_grid_coord(fvote, fgroup, merge_radius)
+    fvote = scatter_mean(votes, frag, num_frag) / merge_r[fgroup % num_classes, None]
+    cell_grid = event_grid_coord(fvote, fgroup, 1.0)
     cgrid, cgroup, cell_of_frag = voxelize(cell_grid, fgroup)
     ca, cb, _ = neighbor_pairs(cgrid, cgroup, _NEIGHBORS_26.to(cgrid.device))
     # Graph nodes: fragments [0, F) then cells [F, F + C).
@@ -140,7 +155,8 @@ class PointGroupLite(nn.Module):
         offset_weight, direction_weight: weights of the L1 offset loss and the
             (1 - cosine) direction loss.
         agree_radius, merge_radius, min_points, stuff_classes: clustering
-            parameters (coordinates units), see :func:`cluster_instances`.
+            parameters (coordinate units; the radii may be per-class tuples),
+            see :func:`cluster_instances`.
 
     ``forward`` returns ``seg_logits``, ``offset_pred``, ``loss`` (when
     ``segment`` and ``instance`` are given) and, in eval mode,
@@ -156,15 +172,18 @@ class PointGroupLite(nn.Module):
         offset_scale: float = 1.0,
         offset_weight: float = 1.0,
         direction_weight: float = 1.0,
-        agree_radius: float = 4.0,
-        merge_radius: float = 8.0,
+        agree_radius: float | Sequence[float] = 4.0,
+        merge_radius: float | Sequence[float] = 8.0,
         min_points: int = 1,
         stuff_classes: Sequence[int] = (),
     ):
         super().__init__()
         if int(num_classes) < 1:
             raise ConfigError(f"PointGroupLite: num_classes must be >= 1, got {num_classes}")
-        if min(grid_size, offset_scale, agree_radius, merge_radius) <= 0:
+        radii = [grid_size, offset_scale]
+        for r in (agree_radius, merge_radius):
+            radii += list(r) if isinstance(r, (list, tuple)) else [r]
+        if min(radii) <= 0:
             raise ConfigError("PointGroupLite: grid_size, offset_scale, agree_radius and merge_radius must be > 0")
         self.num_classes = int(num_classes)
         self.backbone, width = build_backbone(backbone, "PointGroupLite")
@@ -177,8 +196,8 @@ class PointGroupLite(nn.Module):
         self.offset_scale = float(offset_scale)
         self.offset_weight = float(offset_weight)
         self.direction_weight = float(direction_weight)
-        self.agree_radius = float(agree_radius)
-        self.merge_radius = float(merge_radius)
+        self.agree_radius = tuple(agree_radius) if isinstance(agree_radius, (list, tuple)) else float(agree_radius)
+        self.merge_radius = tuple(merge_radius) if isinstance(merge_radius, (list, tuple)) else float(merge_radius)
         self.min_points = int(min_points)
         self.stuff_classes = tuple(int(c) for c in stuff_classes)
 
