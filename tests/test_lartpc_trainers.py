@@ -82,32 +82,27 @@ def test_point_trainers_train_evaluate_and_test(tmp_path, text, metric):
     assert metric.split("/")[1] in next(iter(metrics.values()))
 
 
-def test_inseg_trainer_resumes_exactly(tmp_path):
+def _assert_kill_and_resume_is_exact(tmp_path, text, steps):
     reference = tmp_path / "ref"
-    assert run_tool("train", _write(tmp_path, INSEG, reference)).returncode == 0
+    result = run_tool("train", _write(tmp_path, text, reference))
+    assert result.returncode == 0, result.stderr
+    assert [s for s, _ in train_losses(reference)] == list(range(1, steps + 1))
     crashed = tmp_path / "crashed"
-    cfg = _write(tmp_path, INSEG, crashed, extra='custom_imports = ["tests.support.toy"]\n'
+    cfg = _write(tmp_path, text, crashed, extra='custom_imports = ["tests.support.toy"]\n'
                  'hooks = hooks + [dict(type="KillAtStep", step=3)]\n')
     assert run_tool("train", cfg).returncode == -9
     assert run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1").returncode == 0
     ref, got = final_weights(reference), final_weights(crashed)
     assert all(torch.equal(ref["state_dict"][k], got["state_dict"][k]) for k in ref["state_dict"])
     assert train_losses(reference) == train_losses(crashed)
+
+
+def test_inseg_trainer_resumes_exactly(tmp_path):
+    _assert_kill_and_resume_is_exact(tmp_path, INSEG, steps=6)  # 2 epochs x 3 steps
 
 
 def test_multi_dataset_trainer_mixes_and_resumes_exactly(tmp_path):
-    reference = tmp_path / "ref"
-    result = run_tool("train", _write(tmp_path, MULTI, reference))
-    assert result.returncode == 0, result.stderr
-    assert [s for s, _ in train_losses(reference)] == list(range(1, 9))  # 8 samples / batch 2, 2 epochs
-    crashed = tmp_path / "crashed"
-    cfg = _write(tmp_path, MULTI, crashed, extra='custom_imports = ["tests.support.toy"]\n'
-                 'hooks = hooks + [dict(type="KillAtStep", step=3)]\n')
-    assert run_tool("train", cfg).returncode == -9
-    assert run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1").returncode == 0
-    ref, got = final_weights(reference), final_weights(crashed)
-    assert all(torch.equal(ref["state_dict"][k], got["state_dict"][k]) for k in ref["state_dict"])
-    assert train_losses(reference) == train_losses(crashed)
+    _assert_kill_and_resume_is_exact(tmp_path, MULTI, steps=8)  # 8 samples / batch 2, 2 epochs
 
 
 def test_ratio_sampler_follows_ratios_and_uses_small_sets_fully():
