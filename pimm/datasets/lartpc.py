@@ -376,6 +376,7 @@ class LArTPCSynthDataset(PointDataset):
         max_interactions: cap on interactions added to reach the target.
         detector_size: edge of the cubic detector in units.
         energy_threshold: drop voxels with less energy (MeV).
+        in_memory: simulate all events once at construction (same values).
         **physics: overrides of ``DEFAULT_PHYSICS`` (e.g. ``muon_prob=1.0``).
 
     Each item is a dict: ``coord`` (N,3) float32 (voxel index * voxel_size,
@@ -390,7 +391,8 @@ class LArTPCSynthDataset(PointDataset):
     def __init__(self, num_events: int = 1000, seed: int = 0, split: str = "train",
                  transform: Sequence[Any] | None = None, voxel_size: float = 1.0,
                  points_per_event: int | Sequence[int] = (1000, 2500), max_interactions: int = 32,
-                 detector_size: float = 768.0, energy_threshold: float = 0.0, **physics: Any):
+                 detector_size: float = 768.0, energy_threshold: float = 0.0, in_memory: bool = False,
+                 **physics: Any):
         super().__init__(split=split, transform=transform)
         unknown = sorted(set(physics) - set(DEFAULT_PHYSICS))
         if unknown:
@@ -407,11 +409,19 @@ class LArTPCSynthDataset(PointDataset):
         self.options = dict(voxel_size=float(voxel_size), points_per_event=tuple(int(p) for p in ppe),
                             max_interactions=int(max_interactions), detector_size=float(detector_size),
                             energy_threshold=float(energy_threshold), **physics)
+        # in_memory: simulate every event once up front (transforms still run per
+        # access), for short CPU trainings where simulation would dominate.
+        self._cache = [self._generate(i) for i in range(self.num_events)] if in_memory else None
 
     def __len__(self) -> int:
         return self.num_events
 
     def get_data(self, idx: int) -> dict:
+        if self._cache is not None:
+            return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in self._cache[idx].items()}
+        return self._generate(idx)
+
+    def _generate(self, idx: int) -> dict:
         rng = np.random.default_rng([self.seed, self.split_code, idx])
         event = generate_event(rng, **self.options)
         event["name"] = f"lartpc_{self.split}_s{self.seed}_{idx:08d}"
