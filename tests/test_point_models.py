@@ -203,6 +203,20 @@ def test_clustering_cuts_touching_tracks_and_merges_shower_pieces():
     assert len(torch.unique(torch.stack([pred, inst], 1), dim=0)) == 3 == len(pred.unique())
 
 
+def test_clustering_per_class_merge_radius():
+    # One object in two pieces whose votes land 6 units apart: merged under
+    # class 0's radius (10), kept apart under class 1's (1).
+    piece = torch.arange(4.0)[:, None].repeat(1, 3)
+    coord = torch.cat([piece, piece + 30.0])
+    votes = torch.cat([torch.full((4, 3), 15.0) + torch.tensor([3.0, 0, 0]),
+                       torch.full((4, 3), 15.0) - torch.tensor([3.0, 0, 0])])
+    batch = torch.zeros(8, dtype=torch.long)
+    for cls, expected in ((0, 1), (1, 2)):
+        semantic = torch.full((8,), cls)
+        pred = cluster_instances(coord, votes, semantic, batch, 1.0, agree_radius=2.0, merge_radius=(10.0, 1.0))
+        assert len(pred.unique()) == expected and (pred >= 0).all()
+
+
 def test_clustering_respects_classes_stuff_and_min_points():
     coord, inst, batch = blob_batch()
     target, _ = instance_centroid_offsets(coord, inst, batch)
