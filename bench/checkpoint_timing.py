@@ -88,12 +88,12 @@ def write_config(workdir: Path, save_path: Path, workers: int, resume: bool) -> 
 
 
 def make_trainer(workdir: Path, save_path: Path, workers: int, resume: bool = False):
-    cfg = load_config(str(write_config(workdir, save_path, workers, resume)), [], world_size=1)
+    cfg, hooks = load_config(str(write_config(workdir, save_path, workers, resume)), [], world_size=1)
     logger = setup_logger(cfg.save_path, rank=0)  # train.log only; the console copy would flood the output
     for handler in list(logger.handlers):
         if not isinstance(handler, logging.FileHandler):
             logger.removeHandler(handler)
-    return build_trainer(cfg)
+    return build_trainer(cfg, hooks=hooks)
 
 
 def train_steps(trainer, steps: int) -> None:

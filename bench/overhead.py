@@ -171,13 +171,13 @@ def build_pimm(workdir: Path, tag: str, seed: int):
         base=str(ROOT / "configs" / "_base_" / "default_runtime.py"), save_path=str(save_path), seed=seed,
         batch=BATCH, in_dim=IN_DIM, hidden=HIDDEN, classes=NUM_CLASSES, samples=STEPS * BATCH, lr=LR,
         wd=WEIGHT_DECAY, warmup=WARMUP_RATIO))
-    cfg = load_config(str(cfg_file), [], world_size=1)
+    cfg, hooks = load_config(str(cfg_file), [], world_size=1)
     # train.log as the CLI writes it, minus the console copy (it would flood this output).
     logger = setup_logger(cfg.save_path, rank=0)
     for handler in list(logger.handlers):
         if not isinstance(handler, logging.FileHandler):
             logger.removeHandler(handler)
-    return build_trainer(cfg)
+    return build_trainer(cfg, hooks=hooks)
 
 
 def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None) -> dict:

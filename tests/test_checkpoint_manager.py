@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import pimm.engines.checkpoint as ckpt
-from pimm.engines.checkpoint import CheckpointManager, atomic_torch_save
+import pimm.engines.state.manager as ckpt
+from pimm.engines.state.manager import CheckpointManager, atomic_torch_save
 
 
 class Counter:
@@ -51,11 +51,11 @@ def make_manager(directory: Path, logger, keep_last: int = 10):
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()  # non-empty optimizer state
     counter, position = Counter(), Counter()
-    manager = CheckpointManager(directory, keep_last=keep_last, logger=logger)
+    manager = CheckpointManager(directory, retention=ckpt.Retention(keep_last=keep_last), logger=logger)
     manager.register("model", model)
     manager.register("optimizer", optimizer)
     manager.register("counter", counter)
-    manager.register("position", position, per_rank=True)
+    manager.register("position", position, scope="rank")
     return manager, model, counter, position
 
 
@@ -74,7 +74,7 @@ def test_save_and_restore_round_trip(tmp_path, logger):
     manager, model, counter, position = make_manager(tmp_path, logger)
     counter.value, position.value = 7, 70
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    optim_state = manager._common["optimizer"].state_dict()
+    optim_state = manager._shared["optimizer"].state_dict()
     path = manager.save(12, 3, extra_manifest={"is_best": True, "note": "x"})
     assert path == tmp_path / "step000000012-epoch0003"
 
@@ -87,13 +87,13 @@ def test_save_and_restore_round_trip(tmp_path, logger):
     manager.restore(loaded)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     assert counter.value == 7 and position.value == 70
-    restored_optim = manager._common["optimizer"].state_dict()
+    restored_optim = manager._shared["optimizer"].state_dict()
     assert torch.equal(restored_optim["state"][0]["exp_avg"], optim_state["state"][0]["exp_avg"])
 
-    # skip= leaves the named participants alone.
+    # skip_rank_states (another world size) leaves per-rank participants alone.
     counter.value = position.value = -1
-    manager.restore(loaded, skip={"counter", "position"})
-    assert counter.value == -1 and position.value == -1
+    manager.restore(loaded, skip_rank_states=True)
+    assert counter.value == 7 and position.value == -1
 
 
 def test_manifest_records_step_layout_and_file_sizes_and_checksums(tmp_path, logger):
@@ -245,25 +245,48 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, logger, c
     assert loaded.path.name == "step000000005-epoch0000"
     assert loaded.common["counter"]["value"] == 5
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "step000000009-epoch0000 is damaged" in warnings[0]
+    assert len(warnings) == 1 and "step000000009-epoch0000 cannot be resumed from" in warnings[0]
+    assert [p.name for p, _ in manager.rejected] == ["step000000009-epoch0000"]
 
 
-def test_folder_without_manifest_is_ignored_silently(tmp_path, logger, caplog):
+def test_folder_without_manifest_is_never_resumed_from_and_is_reported(tmp_path, logger, caplog):
     manager, _, counter, _ = make_manager(tmp_path, logger)
     save_steps(manager, counter, [5, 9])
     (tmp_path / "step000000009-epoch0000" / "COMMITTED").unlink()
     with caplog.at_level(logging.WARNING, logger=logger.name):
         assert manager.load_latest().path.name == "step000000005-epoch0000"
     assert steps_of(manager) == [5]
-    assert not caplog.records
+    assert [(p.name, "no COMMITTED manifest" in why) for p, why in manager.rejected] == \
+        [("step000000009-epoch0000", True)]
 
 
-def test_all_checkpoints_damaged_means_none(tmp_path, logger):
+def test_all_checkpoints_damaged_means_none_and_lists_why(tmp_path, logger):
     manager, _, counter, _ = make_manager(tmp_path, logger)
     save_steps(manager, counter, [5, 9])
     for path in manager.committed():
         _truncate(path / "common.pth")
     assert manager.load_latest() is None
+    assert [p.name for p, _ in manager.rejected] == ["step000000009-epoch0000", "step000000005-epoch0000"]
+    assert all("common.pth has" in why for _, why in manager.rejected)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no-manifest"])
+def test_saving_a_damaged_step_again_heals_it_and_keeps_the_damaged_copy_aside(tmp_path, logger, damage):
+    manager, _, counter, _ = make_manager(tmp_path, logger)
+    save_steps(manager, counter, [5, 9])
+    folder = tmp_path / "step000000009-epoch0000"
+    if damage == "truncate":
+        _truncate(folder / "common.pth")
+    else:
+        (folder / "COMMITTED").unlink()
+    counter.value = 99
+    manager.save(9, 0)  # before the fix: skipped (damaged copy kept forever) or crashed on the rename
+    loaded = manager.load_latest()
+    assert loaded.path == folder and loaded.common["counter"]["value"] == 99
+    assert manager.rejected == []
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith(".damaged-")]
+    assert aside == [".damaged-step000000009-epoch0000-1"]  # kept for inspection, never resumed from
+    assert steps_of(manager) == [5, 9]
 
 
 def test_garbled_tensor_bytes_are_detected(tmp_path, logger):

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.support.run import env as tool_env  # noqa: E402
-from pimm.engines.checkpoint import CheckpointManager  # noqa: E402
+from pimm.engines.state.manager import CheckpointManager  # noqa: E402
 from pimm.utils.rng import derive_seed, seed_all  # noqa: E402
 from tests.support.run import final_weights, train_losses, write_toy_config  # noqa: E402
 from tests.support.toy import ToyMLP  # noqa: E402

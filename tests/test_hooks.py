@@ -23,7 +23,7 @@ import pimm.cli  # noqa: E402,F401  (registers models, data sets, evaluators)
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.base import build_hooks  # noqa: E402
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from pimm.engines.preemption import TrainingPreempted  # noqa: E402
+from pimm.utils.errors import TrainingPreempted  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
 from tests.support.toy import RecordingHook  # noqa: E402
@@ -81,8 +81,8 @@ def clean_events():
 def make_trainer(tmp_path: Path, hooks: str, extra: str = "", options=()):
     """Build a DefaultTrainer from the toy config with ``hooks`` (Python source of a list)."""
     cfg_path = write_toy_config(tmp_path, tmp_path / "run", SMALL_DATA + f"hooks = {hooks}\n" + extra)
-    cfg = load_config(str(cfg_path), list(options), world_size=1)
-    return build_trainer(cfg)
+    cfg, hooks = load_config(str(cfg_path), list(options), world_size=1)
+    return build_trainer(cfg, hooks=hooks)
 
 
 def phases(name: str | None = None) -> list[tuple]:
@@ -175,7 +175,9 @@ def test_dispatch_tables_hold_only_overriding_hooks(tmp_path):
     # InformationWriter and the checkpoint hooks do nothing before a step: they are not called for it.
     assert owners["before_step"] == ["IterationTimer", "RecordingHook"]
     assert owners["before_epoch"] == ["RecordingHook"]
-    assert owners["before_train"] == ["CheckpointLoader", "IterationTimer", "RecordingHook", "CheckpointSaver"]
+    assert owners["before_train"] == ["IterationTimer", "RecordingHook", "CheckpointSaver"]
+    # Phases nobody overrides hold nothing (they cost one empty iteration).
+    assert owners["after_backward"] == owners["before_val"] == owners["on_exception"] == []
     assert owners["after_step"] == ["IterationTimer", "InformationWriter", "RecordingHook", "CheckpointSaver"]
     # Each entry is a bound method of the registered hook instance, in priority order.
     assert all(fn.__self__ in trainer.hooks for fns in trainer._dispatch.values() for fn in fns)

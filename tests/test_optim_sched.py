@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 
 from pimm.engines.optim import build_optimizer
 from pimm.engines.scheduler import build_scheduler
+from pimm.engines.state.participants import OptimizerParticipant
+from pimm.engines.state.restore import RestoreContext
 from pimm.utils.errors import CheckpointError, ConfigError, RegistryError
 
 
@@ -265,8 +268,7 @@ ROUND_TRIP_CFGS = [cfg for cfg, _, _ in SCHEDULE_CASES.values()]
 
 
 @pytest.mark.parametrize("cfg", ROUND_TRIP_CFGS, ids=sorted(SCHEDULE_CASES, key=list(SCHEDULE_CASES).index))
-@pytest.mark.parametrize("scheduler_first", [True, False], ids=["sched-then-optim", "optim-then-sched"])
-def test_state_dict_round_trip_is_exact(cfg, scheduler_first):
+def test_state_dict_round_trip_is_exact(cfg):
     total, split = 40, 13
 
     def groups_snapshot(opt):
@@ -286,12 +288,8 @@ def test_state_dict_round_trip_is_exact(cfg, scheduler_first):
     saved = torch.load(buf, weights_only=True)
     params = [nn.Parameter(torch.zeros(1)) for _ in range(2)]
     opt2 = torch.optim.AdamW([{"params": [p], "lr": lr} for p, lr in zip(params, (1.0, 0.1))])
-    if scheduler_first:  # the documented order
-        sched2 = build_scheduler(cfg, opt2, total)
-        opt2.load_state_dict(saved["optimizer"])
-    else:
-        opt2.load_state_dict(saved["optimizer"])
-        sched2 = build_scheduler(cfg, opt2, total)
+    sched2 = build_scheduler(cfg, opt2, total)  # the documented order: build, then load both
+    opt2.load_state_dict(saved["optimizer"])
     sched2.load_state_dict(saved["scheduler"])
     for step in range(split, total):
         # Bit-identical: every group value (lr, betas, ...) compared with ==.
@@ -300,11 +298,25 @@ def test_state_dict_round_trip_is_exact(cfg, scheduler_first):
         sched2.step()
 
 
-def test_loading_state_for_other_group_count_fails():
-    _, sched = make(dict(type="PolyLR"), 10, lrs=(1.0, 0.1))
-    _, other = make(dict(type="PolyLR"), 10, lrs=(1.0,))
-    with pytest.raises(CheckpointError, match="2 param groups"):
-        other.load_state_dict(sched.state_dict())
+def test_loading_optimizer_state_for_other_group_count_fails():
+    opt, _ = make(dict(type="PolyLR"), 10, lrs=(1.0, 0.1))
+    other, _ = make(dict(type="PolyLR"), 10, lrs=(1.0,))
+    context = RestoreContext.__new__(RestoreContext)
+    context.path = Path("step000000005-epoch0000")
+    with pytest.raises(CheckpointError, match="has 2 optimizer param groups, the config builds 1"):
+        OptimizerParticipant(other).restore(opt.state_dict(), context)
+
+
+def test_scheduler_resumes_progress_with_the_configured_length():
+    """Config wins for schedule parameters: a longer schedule continues from the saved step."""
+    opt, sched = make(dict(type="PolyLR", power=1.0), 10, lrs=(1.0,))
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    longer_opt, longer = make(dict(type="PolyLR", power=1.0), 20, lrs=(1.0,))
+    longer.load_state_dict(sched.state_dict())
+    assert longer.total_steps == 20 and longer.last_epoch == 4
+    assert longer_opt.param_groups[0]["lr"] == pytest.approx(1.0 * (1 - 4 / 20))
 
 
 @pytest.mark.parametrize(

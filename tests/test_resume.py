@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pimm.engines.checkpoint import CheckpointManager
+from pimm.engines.state.manager import CheckpointManager
 from tests.support.run import ROOT, env, final_weights, train_losses, write_toy_config
 
 STEPS_PER_EPOCH, EPOCHS = 10, 3
@@ -202,7 +202,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, referenc
     run.train("resume=True")
     # The kill points cover resuming from an epoch-end and from a mid-epoch checkpoint.
     assert {s % STEPS_PER_EPOCH == 0 for s in resumed_from if s} == {True, False}, resumed_from
-    assert run.log().count("holds no complete checkpoint: starting a fresh run") == 1
+    assert run.log().count("holds no checkpoint: starting a fresh run") == 1
 
     assert_same_weights(run, ref)
     # The whole metrics file, not only train/loss: val/ and train/lr records too.
@@ -295,16 +295,18 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, reference):
     assert run.committed() == [25, 30]
     common = checkpoints / "step000000030-epoch0003" / "common.pth"
     common.write_bytes(common.read_bytes()[:1000])
-    # A newer folder without a manifest (an uncommitted save) must not even be considered.
+    # A newer folder without a manifest (an uncommitted save) is never resumed from, and said so.
     orphan = checkpoints / "step000000035-epoch0003"
     shutil.copytree(checkpoints / "step000000025-epoch0002", orphan)
     (orphan / "COMMITTED").unlink()
 
     run.train("resume=True")
     log = run.log()
-    assert re.search(r"WARNING.*step000000030-epoch0003 is damaged", log), log[-2000:]
-    assert "step000000035" not in log
+    assert re.search(r"WARNING.*step000000030-epoch0003 cannot be resumed from", log), log[-2000:]
+    assert re.search(r"WARNING.*step000000035-epoch0003 cannot be resumed from \(no COMMITTED manifest", log)
     assert "Resumed from step000000025-epoch0002" in log
+    # Reaching step 30 again heals it: the damaged copy is moved aside, a good one committed.
+    assert (checkpoints / ".damaged-step000000030-epoch0003-1").is_dir()
     assert_same_weights(run, ref)
     assert_clean_losses(run, ref)
 
@@ -346,7 +348,7 @@ def test_raising_epoch_on_a_finished_run_extends_it(tmp_path, reference):
     run = Run(tmp_path, "extended")
     run.copy_from(ref)
     run.train("resume=True", "epoch=4")
-    assert re.search(r"WARNING.*schedule length changed \(30 -> 40", run.log())
+    assert re.search(r"WARNING.*scheduler total_steps: 30 -> 40", run.log())
     assert_clean_losses(run, total=TOTAL_STEPS + STEPS_PER_EPOCH)
     assert train_losses(run.save)[:TOTAL_STEPS] == train_losses(ref.save)
     assert final_weights(run.save)["global_step"] == TOTAL_STEPS + STEPS_PER_EPOCH

@@ -1,31 +1,34 @@
-# Runtime defaults shared by every pimm config. The engine falls back to the
-# same values (pimm/engines/runtime.py) for a config that omits a key.
+# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py
+# (python -m pimm.engines.runtime > configs/_base_/default_runtime.py); a config without
+# _base_ gets the same values from the engine. Edit the table there, not this file.
 
-save_path = "exp/default"
-seed = 0  # recorded in config.py; every RNG stream derives from it
+save_path = 'exp/default'  # the run directory (~ is expanded)
+seed = 0  # every RNG stream derives from it; None draws one and records it in config.py
 epoch = 1  # absolute horizon: raising it and resuming extends a finished run
 batch_size = 16  # global, split evenly across processes
 batch_size_val = None  # global; None = batch_size
 num_worker = 0  # global data-loading workers, split across processes
-resume = False  # continue from the newest complete checkpoint in save_path
+resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable
 weight = None  # warm-start weights (a .pth file)
 evaluate = True  # run the evaluator hooks
-enable_amp = False
-amp_dtype = "bfloat16"  # "float16" needs CUDA (uses a GradScaler)
-clip_grad = None  # max gradient norm
-grad_accum_steps = 1
+enable_amp = False  # mixed precision (autocast)
+amp_dtype = 'bfloat16'  # 'float16' needs CUDA (uses a GradScaler)
+clip_grad = None  # max gradient norm (None: no clipping)
+grad_accum_steps = 1  # micro-batches per optimizer step
+log_grad_norm = False  # log train/grad_norm every step (always logged when clipping)
 use_wandb = False  # W&B run (WANDB_MODE=offline works without network)
-wandb_project = "pimm"
-enable_tensorboard = True
-preempt_signals = ["SIGTERM"]  # e.g. ["SIGTERM", "SIGUSR2"] for SLURM --signal
+wandb_project = 'pimm'  # W&B project
+enable_tensorboard = True  # TensorBoard event files under save_path/tensorboard
+preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal
 param_dicts = None  # per-parameter-group options, see docs/engine.md
+scheduler = None  # a dict(type=...) from SCHEDULERS; None: constant lr
 
-train = dict(type="DefaultTrainer")
+train = dict(type='DefaultTrainer')
 
 hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=20),
-    dict(type="ProgressBar"),
-    dict(type="CheckpointSaver", save_freq=None, keep_last=2),
+    dict(type='CheckpointLoader'),
+    dict(type='IterationTimer', warmup_iter=2),
+    dict(type='InformationWriter', log_frequency=20),
+    dict(type='ProgressBar'),
+    dict(type='CheckpointSaver', save_freq=None, keep_last=2),
 ]

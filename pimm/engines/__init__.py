@@ -1,4 +1,5 @@
-"""The engine: trainer lifecycle, hooks, checkpointing and the registries.
+"""The engine: trainer lifecycle, hooks, the optimizer step, the metric
+channel, checkpointing and the registries.
 
 Users import from here::
 
@@ -8,12 +9,12 @@ Users import from here::
 from pimm.engines.registries import (COLLATE_FNS, DATASETS, HOOKS, MODELS, OPTIMIZERS, SCHEDULERS, TRAINERS,
                                      TRANSFORMS)
 from pimm.engines.hooks import *  # noqa: F401,F403  (registers the built-in hooks)
-from pimm.engines.hooks import HookBase, EvaluatorBase
+from pimm.engines.hooks import EvaluatorBase, HookBase
+from pimm.engines.metrics import MetricChannel
+from pimm.engines.optim_step import OptimStep, StepResult
 from pimm.engines.trainer_base import TrainerBase
-from pimm.engines.default_trainer import DefaultTrainer
-from pimm.engines.image_class_trainer import ImageClassTrainer
-from pimm.engines.inseg_trainer import InsegTrainer
-from pimm.engines.multi_dataset_trainer import MultiDatasetTrainer
+from pimm.engines.trainers import DefaultTrainer, ImageClassTrainer, InsegTrainer, MultiDatasetTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",
-           "TrainerBase", "DefaultTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase", "EvaluatorBase"]
+           "TrainerBase", "DefaultTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase",
+           "EvaluatorBase", "MetricChannel", "OptimStep", "StepResult"]

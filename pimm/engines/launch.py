@@ -1,31 +1,40 @@
 """The command line behind ``tools/train.py`` and ``tools/test.py``.
 
-Exit codes (SPEC): 0 done; 2 bad usage, config or input (one ``error:`` line,
-no traceback unless ``PIMM_DEBUG=1``); 75 pre-empted after a committed
-checkpoint; 1 any other failure (traceback in ``train.log``).
+Start-up reads the config once, in this order: the engine's runtime defaults,
+the file with its ``_base_`` chain, ``--options``, each hook's
+``modify_config``; then the config is validated and the trainer is built.
+
+Exit codes (docs/contract.md): 0 done (also a requested early stop); 2 bad
+usage, config or input (one ``error:`` line, no traceback unless
+``PIMM_DEBUG=1``); 75 pre-empted — after a committed checkpoint, or during
+start-up before training began (nothing is lost either way: rerun with
+``resume=True``); 1 any other failure (traceback in ``train.log``); 130
+interrupted from the keyboard.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
+import signal
 import sys
 import traceback
 from pathlib import Path
 
-from pimm.distributed.launch import spawn_local
-from pimm.engines.preemption import EXIT_PREEMPTED, TrainingPreempted
+from pimm.distributed.spawn import spawn_local
+from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
-from pimm.engines.runtime import apply_runtime_defaults, guard_save_path, validate_runtime
+from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
+from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.utils import comm
 from pimm.utils.config import Config
-from pimm.utils.errors import ConfigError, UserError
-from pimm.utils.files import set_aside
+from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
 from pimm.utils.logger import setup_logger
 
 __all__ = ["main", "load_config", "build_trainer"]
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,53 +48,96 @@ def _parser(mode: str) -> _Parser:
     parser.add_argument("--config-file", required=True, metavar="CFG", help="Python config file")
     parser.add_argument("--num-gpus", type=int, default=1, metavar="N",
                         help="local worker processes to start (nccl on CUDA, gloo on CPU)")
-    parser.add_argument("--options", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides, e.g. optimizer.lr=0.01 hooks.CheckpointSaver.save_freq=50")
+    parser.add_argument("--options", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides, e.g. optimizer.lr=0.01 hooks.CheckpointSaver.save_freq=50 "
+                             "(may be given several times; applied in order)")
     return parser
 
 
-def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train") -> Config:
+def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train"):
+    """The validated config and its built hooks (see the module docstring for the order)."""
     cfg = Config.fromfile(config_file)
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
+    hooks = build_hooks(cfg.hooks)
+    for hook in hooks:
+        hook.modify_config(cfg)
     validate_runtime(cfg, world_size)
+    check_required(cfg, mode)
     if mode == "train":
-        guard_save_path(cfg)
-    elif mode == "test" and not cfg.weight:
+        guard_fresh_run(cfg)
+    elif not cfg.weight:
         raise ConfigError("tools/test.py needs the weights to evaluate: --options weight=PATH/model_best.pth")
-    return cfg
+    return cfg, hooks
 
 
-def build_trainer(cfg, mode: str = "train"):
+def build_trainer(cfg, mode: str = "train", hooks=None):
     train_cfg = dict(cfg.train)
-    return TRAINERS.build(dict(train_cfg, cfg=cfg, **({"mode": "test"} if mode == "test" else {})))
+    return TRAINERS.build(dict(train_cfg, cfg=cfg, hooks=hooks, **({"mode": "test"} if mode == "test" else {})))
 
 
-def _write_config(cfg) -> None:
+def _resolve_seed(cfg) -> None:
+    """``seed=None``: a resumed run reuses the seed its config.py recorded; a new
+    run draws one (rank 0's, for every rank) and config.py records it."""
+    if cfg.seed is not None:
+        return
+    recorded = None
     path = Path(cfg.save_path) / "config.py"
-    if path.exists():
-        # A resume of the same run rewrites config.py in place; any other
-        # difference keeps the earlier file beside it.
+    if cfg.resume and path.is_file():
         try:
-            earlier = Config.fromfile(str(path))
+            recorded = Config.fromfile(str(path)).get("seed")
         except UserError:
-            earlier = {}
-        if {k: v for k, v in earlier.items() if k != "resume"} == {k: v for k, v in cfg.items() if k != "resume"}:
-            cfg.dump(str(path))
-            return
-    set_aside(path)  # an earlier run's config is kept, never overwritten
-    cfg.dump(str(path))
+            recorded = None
+    cfg.seed = comm.broadcast_object(recorded if recorded is not None else random.SystemRandom().randrange(2**31))
 
 
-def _run(args, mode: str) -> int:
-    comm.init_distributed_from_env()
-    cfg = load_config(args.config_file, args.options, comm.get_world_size(), mode)
-    logger = setup_logger(cfg.save_path, comm.get_rank())
-    if comm.is_main_process() and mode == "train":
-        _write_config(cfg)
-    logger.info(f"pimm {mode}: {args.config_file} (world size {comm.get_world_size()}, save_path {cfg.save_path})")
+def _preempted_during_startup(signum, frame):
+    raise TrainingPreempted(f"{signal.Signals(signum).name} during start-up, before training began")
+
+
+def _install_startup_signals(names) -> None:
+    for name in names:
+        if hasattr(signal, name):
+            try:
+                signal.signal(getattr(signal, name), _preempted_during_startup)
+            except ValueError:  # not the main thread
+                pass
+
+
+def _run(args, mode: str, attempt_box: list) -> int:
     try:
-        trainer = build_trainer(cfg, mode)
+        return _run_in_process_group(args, mode, attempt_box)
+    finally:
+        for name in ("SIGTERM", *_PREEMPT_NAMES):
+            if hasattr(signal, name):
+                try:
+                    signal.signal(getattr(signal, name), signal.SIG_DFL)
+                except ValueError:
+                    pass
+
+
+_PREEMPT_NAMES: list[str] = []
+
+
+def _run_in_process_group(args, mode: str, attempt_box: list) -> int:
+    comm.init_distributed_from_env()
+    _install_startup_signals(("SIGTERM",))
+    cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode)
+    _install_startup_signals(cfg.preempt_signals)
+    _PREEMPT_NAMES[:] = cfg.preempt_signals
+    _resolve_seed(cfg)
+    rank = comm.get_rank()
+    if rank == 0 and mode == "train":
+        write_config(cfg)
+    logger = setup_logger(cfg.save_path, rank)
+    if rank == 0:
+        attempt = AttemptRecord(cfg.save_path, mode, comm.get_world_size())
+        record = attempt.start()
+        attempt_box.append(attempt)
+        logger.info(f"pimm {mode}: {args.config_file} (save_path {cfg.save_path}, seed {cfg.seed})")
+        logger.info(attempt.summary(record))
+    try:
+        trainer = build_trainer(cfg, mode, hooks)
         if mode == "train":
             trainer.train()
         else:
@@ -96,39 +148,62 @@ def _run(args, mode: str) -> int:
         if not getattr(err, "_pimm_logged", False):
             logger.exception(f"{mode} failed")
         raise
+    if mode == "train" and trainer.outcome == "stopped":
+        attempt_box.append(f"stopped: {trainer.control.describe()}")
     return EXIT_OK
 
 
 def main(argv: list[str] | None = None, mode: str = "train") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
+    attempt_box: list = []
+    code, reason = EXIT_FAILURE, "failed"
     try:
         args = _parser(mode).parse_args(argv)
         if args.num_gpus < 1:
             raise UserError(f"--num-gpus {args.num_gpus} is invalid: give 1 or more")
-        if args.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
+        if args.num_gpus > 1:
+            if "WORLD_SIZE" in os.environ:
+                raise UserError("--num-gpus starts its own processes and cannot be combined with torchrun's "
+                                "WORLD_SIZE/RANK variables: use one or the other")
             # Validate once here, so bad input gives one error line rather than N.
             load_config(args.config_file, args.options, args.num_gpus, mode)
-            child_argv = _strip_num_gpus(argv)
-            return spawn_local([sys.argv[0], *child_argv], args.num_gpus)
-        return _run(args, mode)
+            return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus)
+        code = _run(args, mode, attempt_box)
+        reason = next((r for r in attempt_box if isinstance(r, str)), "completed")
+        return code
     except UserError as err:
+        code, reason = EXIT_USAGE, f"bad input: {err}"
         if debug:
             traceback.print_exc()
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except TrainingPreempted:
-        return EXIT_PREEMPTED
+        _report_error(f"error: {err}")
+        return code
+    except TrainingPreempted as err:
+        code, reason = EXIT_PREEMPTED, f"pre-empted: {err}"
+        if "start-up" in str(err):
+            _report_error(f"error: pre-empted by {err}; nothing was lost: rerun with resume=True (exit code "
+                          f"{EXIT_PREEMPTED})")
+        return code
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        code, reason = EXIT_INTERRUPTED, "interrupted"
+        _report_error("error: interrupted")
+        return code
     except Exception as err:
+        code, reason = EXIT_FAILURE, f"failed: {type(err).__name__}: {err}"
         if debug:
             traceback.print_exc()
-        print(f"error: {mode} failed: {err.__class__.__name__}: {err} (traceback in train.log)", file=sys.stderr)
-        return EXIT_FAILURE
+        _report_error(f"error: {mode} failed: {err.__class__.__name__}: {err} (traceback in train.log)")
+        return code
     finally:
+        for attempt in attempt_box:
+            if isinstance(attempt, AttemptRecord):
+                attempt.end(reason, code)
         comm.destroy_distributed()
+
+
+def _report_error(line: str) -> None:
+    """One line on stderr (``--num-gpus`` prints a line several ranks report once)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _strip_num_gpus(argv: list[str]) -> list[str]:

@@ -1,92 +1,239 @@
-"""Runtime keys every config has, their defaults, and their validation.
+"""Runtime keys: the one source of their defaults, types and meanings.
 
-``configs/_base_/default_runtime.py`` spells the same defaults out for users;
-the engine fills in any key a config leaves out, so a minimal config works.
+Every config is read as: these defaults, then its ``_base_`` files, then the
+file itself, then ``--options``, then each hook's ``modify_config``; only then
+is it validated (:func:`validate_runtime`) and built. So a config without any
+``_base_`` works, and ``configs/_base_/default_runtime.py`` is generated from
+this table (``python -m pimm.engines.runtime > configs/_base_/default_runtime.py``;
+a test keeps the two equal).
+
+A runtime key's value of the wrong type is bad input (exit 2 naming the key
+and what it takes): ``resume="no"`` is a string, not False, and must never be
+silently truthy.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import signal
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from pimm.utils.errors import ConfigError
 
-__all__ = ["RUNTIME_DEFAULTS", "apply_runtime_defaults", "validate_runtime", "guard_save_path"]
+__all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
+           "render_default_runtime", "check_required"]
 
-RUNTIME_DEFAULTS = dict(
-    save_path="exp/default",
-    seed=0,
-    epoch=1,
-    batch_size=16,
-    batch_size_val=None,  # None: same as batch_size
-    num_worker=0,
-    resume=False,
-    weight=None,
-    evaluate=True,
-    enable_amp=False,
-    amp_dtype="bfloat16",
-    clip_grad=None,
-    grad_accum_steps=1,
-    use_wandb=False,
-    wandb_project="pimm",
-    enable_tensorboard=True,
-    preempt_signals=["SIGTERM"],
-    param_dicts=None,
-    train=dict(type="DefaultTrainer"),
-    hooks=[],
+DEFAULT_HOOKS = [
+    dict(type="CheckpointLoader"),
+    dict(type="IterationTimer", warmup_iter=2),
+    dict(type="InformationWriter", log_frequency=20),
+    dict(type="ProgressBar"),
+    dict(type="CheckpointSaver", save_freq=None, keep_last=2),
+]
+
+
+# -- value checks: each returns the (normalised) value or raises ConfigError ----
+def _bool(key, value):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes True or False")
+    return value
+
+
+def _int(low: int, allow_none: bool = False):
+    def check(key, value):
+        if value is None and allow_none:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            what = {0: "an integer >= 0", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+            raise ConfigError(f"{key}={value!r} is invalid: it takes {what}{' or None' if allow_none else ''}")
+        return value
+    return check
+
+
+def _positive_number_or_none(key, value):
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a positive number or None")
+    return value
+
+
+def _choice(*choices):
+    def check(key, value):
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"{key}={value!r} is invalid: it takes one of {', '.join(map(repr, choices))}")
+        return value
+    return check
+
+
+def _str(key, value):
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a non-empty string")
+    return value
+
+
+def _path(allow_none: bool = False, must_exist: bool = False):
+    def check(key, value):
+        if value is None and allow_none:
+            return value
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ConfigError(f"{key}={value!r} is invalid: it takes a path{' or None' if allow_none else ''}")
+        value = os.path.expanduser(str(value))
+        if must_exist and not Path(value).is_file():
+            raise ConfigError(f"{key}={value!r}: no such file; give the path of a .pth file or None")
+        return value
+    return check
+
+
+def _resume(key, value):
+    if value is True or value is False or value == "allow_fresh":
+        return value
+    raise ConfigError(f"{key}={value!r} is invalid: it takes True, False or 'allow_fresh' "
+                      "(resume, or start fresh when no usable checkpoint exists)")
+
+
+def _seed(key, value):
+    if value is None:
+        return value
+    return _int(0)(key, value)
+
+
+def _signals(key, value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a list of signal names like ['SIGTERM', 'SIGUSR2']")
+    for name in value:
+        if not name.startswith("SIG") or not hasattr(signal, name):
+            raise ConfigError(f"{key}: unknown signal {name!r} (use names like 'SIGTERM', 'SIGUSR2')")
+    return list(value)
+
+
+def _list_or_none(key, value):
+    if value is not None and not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a list or None")
+    return value
+
+
+def _hooks(key, value):
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"hooks must be a list of dict(type=...), got {type(value).__name__}")
+    return value
+
+
+def _typed_dict(key, value):
+    if not isinstance(value, dict) or "type" not in value:
+        raise ConfigError(f"{key} must be a dict(type=...), got {value!r}")
+    return value
+
+
+def _dict_or_none(key, value):
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a dict(type=...) or None, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RuntimeKey:
+    name: str
+    default: Any
+    check: Callable[[str, Any], Any]
+    doc: str
+
+
+RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
+    RuntimeKey("save_path", "exp/default", _path(), "the run directory (~ is expanded)"),
+    RuntimeKey("seed", 0, _seed, "every RNG stream derives from it; None draws one and records it in config.py"),
+    RuntimeKey("epoch", 1, _int(1), "absolute horizon: raising it and resuming extends a finished run"),
+    RuntimeKey("batch_size", 16, _int(1), "global, split evenly across processes"),
+    RuntimeKey("batch_size_val", None, _int(1, allow_none=True), "global; None = batch_size"),
+    RuntimeKey("num_worker", 0, _int(0), "global data-loading workers, split across processes"),
+    RuntimeKey("resume", False, _resume,
+               "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable"),
+    RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
+    RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
+    RuntimeKey("enable_amp", False, _bool, "mixed precision (autocast)"),
+    RuntimeKey("amp_dtype", "bfloat16", _choice("bfloat16", "float16"), "'float16' needs CUDA (uses a GradScaler)"),
+    RuntimeKey("clip_grad", None, _positive_number_or_none, "max gradient norm (None: no clipping)"),
+    RuntimeKey("grad_accum_steps", 1, _int(1), "micro-batches per optimizer step"),
+    RuntimeKey("log_grad_norm", False, _bool, "log train/grad_norm every step (always logged when clipping)"),
+    RuntimeKey("use_wandb", False, _bool, "W&B run (WANDB_MODE=offline works without network)"),
+    RuntimeKey("wandb_project", "pimm", _str, "W&B project"),
+    RuntimeKey("enable_tensorboard", True, _bool, "TensorBoard event files under save_path/tensorboard"),
+    RuntimeKey("preempt_signals", ["SIGTERM"], _signals,
+               "signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal"),
+    RuntimeKey("param_dicts", None, _list_or_none, "per-parameter-group options, see docs/engine.md"),
+    RuntimeKey("scheduler", None, _dict_or_none, "a dict(type=...) from SCHEDULERS; None: constant lr"),
+    RuntimeKey("train", dict(type="DefaultTrainer"), _typed_dict, "the trainer and its options"),
+    RuntimeKey("hooks", DEFAULT_HOOKS, _hooks, "hooks, run by priority (ties: config order)"),
 )
+
+RUNTIME_DEFAULTS = {key.name: key.default for key in RUNTIME_KEYS}
 
 
 def apply_runtime_defaults(cfg) -> None:
+    """Fill in every runtime key the config leaves out (deep copies)."""
+    import copy
+
     for key, value in RUNTIME_DEFAULTS.items():
         if key not in cfg:
-            cfg[key] = value
-
-
-def _positive_int(cfg, key: str, allow_zero: bool = False) -> None:
-    value = cfg[key]
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        need = "a non-negative integer" if allow_zero else "a positive integer"
-        raise ConfigError(f"{key}={value!r} is invalid: it must be {need}")
+            cfg[key] = copy.deepcopy(value)
 
 
 def validate_runtime(cfg, world_size: int) -> None:
-    for key in ("epoch", "batch_size", "grad_accum_steps"):
-        _positive_int(cfg, key)
-    _positive_int(cfg, "num_worker", allow_zero=True)
-    if cfg.batch_size_val is not None:
-        _positive_int(cfg, "batch_size_val")
+    """Check every runtime key's type and range; normalise paths (``~``)."""
+    for key in RUNTIME_KEYS:
+        cfg[key.name] = key.check(key.name, cfg.get(key.name))
     if cfg.batch_size % world_size:
         raise ConfigError(
             f"batch_size={cfg.batch_size} is the global batch and must be divisible by the "
             f"{world_size} processes; use a multiple of {world_size}"
         )
-    if cfg.amp_dtype not in ("float16", "bfloat16"):
-        raise ConfigError(f"amp_dtype={cfg.amp_dtype!r} is invalid: use 'bfloat16' or 'float16'")
-    if cfg.clip_grad is not None and (isinstance(cfg.clip_grad, bool) or not isinstance(cfg.clip_grad, (int, float))
-                                      or cfg.clip_grad <= 0):
-        raise ConfigError(f"clip_grad={cfg.clip_grad!r} is invalid: use a positive max-norm or None")
-    if not isinstance(cfg.save_path, str) or not cfg.save_path:
-        raise ConfigError(f"save_path={cfg.save_path!r} is invalid: give a directory path")
-    if not isinstance(cfg.get("train"), dict) or "type" not in cfg.train:
-        raise ConfigError("train must be a dict(type=...) naming a trainer, e.g. train = dict(type='DefaultTrainer')")
-    if not isinstance(cfg.hooks, (list, tuple)):
-        raise ConfigError(f"hooks must be a list of dict(type=...), got {type(cfg.hooks).__name__}")
-    if cfg.weight is not None and not Path(cfg.weight).is_file():
-        raise ConfigError(f"weight={cfg.weight!r}: no such file; give the path of a .pth checkpoint or None")
+    if cfg.num_worker % world_size:
+        raise ConfigError(f"num_worker={cfg.num_worker} is global and must be divisible by the {world_size} "
+                          f"processes; use a multiple of {world_size}")
+    save_path = Path(cfg.save_path)
+    if save_path.exists() and not save_path.is_dir():
+        raise ConfigError(f"save_path={cfg.save_path!r} is a file, not a directory: choose another save_path")
 
 
-def guard_save_path(cfg) -> None:
-    """Refuse to start a fresh run over an existing one (nothing a user made is lost)."""
-    if cfg.resume:
-        return
-    root = Path(cfg.save_path)
-    ckpt_dir = root / "checkpoints"
-    has_ckpt = ckpt_dir.is_dir() and any(p.name.startswith("step") for p in ckpt_dir.iterdir())
-    has_metrics = (root / "metrics.jsonl").is_file() and (root / "metrics.jsonl").stat().st_size > 0
-    if has_ckpt or has_metrics:
-        what = "checkpoints" if has_ckpt else "a metrics.jsonl"
-        raise ConfigError(
-            f"save_path {str(root)!r} already holds {what} of an earlier run; pass resume=True to continue it, "
-            "or choose another save_path (nothing was changed)"
-        )
+def check_required(cfg, mode: str) -> None:
+    """The keys a run cannot do without, as one-line errors."""
+    needed = ["model"] + (["optimizer"] if mode == "train" else [])
+    for key in needed:
+        if cfg.get(key) is None:
+            example = {"model": "model = dict(type='SparseUNet', ...)",
+                       "optimizer": "optimizer = dict(type='AdamW', lr=1e-3)"}[key]
+            raise ConfigError(f"the config has no `{key}`: add e.g. {example}")
+        _typed_dict(key, cfg[key])
+    split = "train" if mode == "train" else "test"
+    data = cfg.get("data")
+    if not isinstance(data, dict) or data.get(split) is None:
+        raise ConfigError(f"the config has no data.{split}: add data = dict({split}=dict(type=..., ...))")
+
+
+def render_default_runtime() -> str:
+    """The text of ``configs/_base_/default_runtime.py``."""
+    lines = [
+        "# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py",
+        "# (python -m pimm.engines.runtime > configs/_base_/default_runtime.py); a config without",
+        "# _base_ gets the same values from the engine. Edit the table there, not this file.",
+        "",
+    ]
+    for key in RUNTIME_KEYS:
+        if key.name in ("train", "hooks"):
+            continue
+        lines.append(f"{key.name} = {key.default!r}  # {key.doc}")
+    lines += ["", f"train = {_call_repr(RUNTIME_DEFAULTS['train'])}", "", "hooks = ["]
+    lines += [f"    {_call_repr(hook)}," for hook in DEFAULT_HOOKS]
+    lines += ["]", ""]
+    return "\n".join(lines)
+
+
+def _call_repr(entry: dict) -> str:
+    return "dict(" + ", ".join(f"{k}={v!r}" for k, v in entry.items()) + ")"
+
+
+if __name__ == "__main__":
+    print(render_default_runtime(), end="")

@@ -11,11 +11,13 @@ ratios between groups set by ``param_dicts`` are preserved. Because the lr is
 never derived from the previous lr, a scheduler rebuilt from its config and
 given ``load_state_dict`` continues with bit-identical values.
 
-The state dict also carries the param-group values the scheduler owns (``lr``,
-``initial_lr``; for OneCycleLR ``max_lr``, ``min_lr`` and the cycled momentum),
-and ``load_state_dict`` writes them back. A resumed run is therefore exact
-whether it loads the optimizer state before or after building the scheduler
-(building a torch scheduler overwrites the groups' lr).
+Resume follows the engine's rule (the checkpoint wins for state, the config
+for hyperparameters): ``load_state_dict`` takes only the schedule's progress
+(its step counters) from the checkpoint and keeps every parameter the config
+built (length, warm-up, milestones, base lrs), then sets each group's lr (and
+a cycled momentum) for the restored step. With an unchanged config that is
+exactly the lr the uninterrupted run has at that step; after ``epoch`` was
+raised, the longer schedule continues from the same step.
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ __all__ = [
     "PolyLR",
     "ConstantLR",
 ]
-
-_GROUP_VALUES_KEY = "param_group_values"
 
 
 def _check_total_steps(total_steps: Any) -> int:
@@ -71,9 +71,10 @@ def _check_number(name: str, value: Any, low: float | None = None, high: float |
 
 
 class _GroupStateMixin:
-    """Save and restore the param-group values a scheduler owns (see module doc)."""
+    """Resume by progress only (see module doc)."""
 
     optimizer: Optimizer
+    _PROGRESS = ("last_epoch", "_step_count")
 
     def _owned_group_keys(self) -> tuple[str, ...]:
         return ("lr", "initial_lr")
@@ -81,24 +82,18 @@ class _GroupStateMixin:
     def state_dict(self) -> dict[str, Any]:
         # Deep-copied so a kept state dict is a snapshot, not a view that keeps
         # changing while training goes on.
-        state = copy.deepcopy(super().state_dict())  # type: ignore[misc]
-        keys = self._owned_group_keys()
-        state[_GROUP_VALUES_KEY] = [
-            {k: copy.deepcopy(group[k]) for k in keys if k in group} for group in self.optimizer.param_groups
-        ]
-        return state
+        return copy.deepcopy(super().state_dict())  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        group_values = state.pop(_GROUP_VALUES_KEY, None)
-        if group_values is not None and len(group_values) != len(self.optimizer.param_groups):
-            raise CheckpointError(
-                f"scheduler state is for {len(group_values)} param groups but the optimizer has "
-                f"{len(self.optimizer.param_groups)}; the optimizer / param_dicts config changed since the checkpoint"
-            )
-        super().load_state_dict(copy.deepcopy(state))  # type: ignore[misc]
-        for group, values in zip(self.optimizer.param_groups, group_values or []):
-            group.update(copy.deepcopy(values))
+        missing = [k for k in self._PROGRESS if k not in state_dict]
+        if missing:
+            raise CheckpointError(f"scheduler state lacks {missing}: not a pimm/torch LR scheduler state")
+        for key in self._PROGRESS:
+            setattr(self, key, state_dict[key])
+        lrs = self.get_lr()  # type: ignore[attr-defined]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 class _ClosedFormLR(_GroupStateMixin, torch_sched.LRScheduler):

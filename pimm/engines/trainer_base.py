@@ -1,73 +1,82 @@
-"""The training lifecycle and hook dispatch, independent of models and data.
+"""The training loop and hook dispatch, independent of models and data.
 
-:class:`TrainerBase` knows only the loop::
+:class:`TrainerBase` is the loop and nothing else::
 
+    restore()                                  # resume / warm start: every participant, hooks included
+    after_load_checkpoint                      # (when something was restored)
     before_train
-    for each remaining epoch:   before_epoch, (before_step, run_step, after_step)*, after_epoch
-    after_train
+    try:
+        while epoch < max_epoch:
+            before_epoch
+            while step_in_epoch < iters_per_epoch:
+                before_step
+                run_step()                     # subclass: forward, backward, after_backward, optimizer step
+                after_step
+                if a stop is agreed by all ranks: leave both loops
+            after_epoch                        # (not for an epoch left by a stop)
+        finish(stopped)                        # final evaluation if due; final checkpoint after a stop
+    except exception:
+        on_exception(exc)
+        raise
+    finally:
+        after_train                            # always; trainer.outcome says how it ended
+    pre-empted: raise TrainingPreempted        # the CLI exits 75; a requested stop returns (exit 0)
 
-Subclasses build the components and implement :meth:`run_step`. Hook
-dispatch lists are computed once per phase, holding only the hooks that
-override that phase, so the per-step cost is a couple of list iterations.
+Subclasses build the components and implement :meth:`run_step`,
+:meth:`restore`, :meth:`save_checkpoint` and :meth:`finish`. Hook dispatch
+tuples are computed once per phase, holding only the hooks that override
+it, so a phase no hook uses costs one empty-tuple iteration.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from collections import defaultdict, deque
 
+from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import PHASES, HookBase, get_priority
-from pimm.engines.preemption import PreemptionWatcher, TrainingPreempted
-from pimm.engines.train_state import TrainState
+from pimm.engines.metrics import MetricChannel
+from pimm.engines.state.train_state import TrainState
 from pimm.utils import comm
-from pimm.utils.errors import UserError
+from pimm.utils.errors import TrainingPreempted, UserError
 
-__all__ = ["TrainerBase", "MetricStorage"]
+__all__ = ["TrainerBase"]
 
-
-class MetricStorage:
-    """Windowed host-side averages (timings and the like) for log lines."""
-
-    def __init__(self, window: int = 20):
-        self._values: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
-
-    def put(self, name: str, value: float) -> None:
-        self._values[name].append(value)
-
-    def avg(self, name: str, default: float = float("nan")) -> float:
-        values = self._values.get(name)
-        return sum(values) / len(values) if values else default
-
-    def latest(self, name: str, default: float = float("nan")) -> float:
-        values = self._values.get(name)
-        return values[-1] if values else default
+OUTCOMES = ("running", "completed", "stopped", "preempted", "failed")
 
 
 class TrainerBase:
+    """The loop (see the module docstring). Attributes every hook may read:
+
+    ``train_state`` (epoch, step in epoch, global step, samples seen),
+    ``epoch`` (0-based index of the epoch in progress), ``max_epoch``,
+    ``iters_per_epoch``, ``metrics`` (the metric channel), ``comm_info``
+    (this step's ``input_dict``, ``model_output_dict`` and ``iter``),
+    ``logger``, ``outcome``."""
+
     def __init__(self):
         self.hooks: list[HookBase] = []
         self._dispatch: dict[str, tuple] = {phase: () for phase in PHASES}
         self.train_state = TrainState()
-        self.epoch = 0  # index of the epoch in progress (0-based)
+        self.epoch = 0
         self.max_epoch = 0
         self.iters_per_epoch = 0
         self.samples_per_step = 0
         self.comm_info: dict = {}
-        self.storage = MetricStorage()
+        self.metrics = MetricChannel()
         self.logger = logging.getLogger("pimm")
-        self.checkpointer = None
-        self.writer = None
-        self.preemption: PreemptionWatcher | None = None
+        self.control = StopControl(preempt_signals=())
+        self.outcome = "running"
 
     # -- state views ----------------------------------------------------
     @property
     def global_step(self) -> int:
+        """Optimizer steps completed in the whole run."""
         return self.train_state.global_step
 
     @property
     def iter(self) -> int:
+        """Optimizer steps completed in the current epoch."""
         return self.train_state.iter_in_epoch
 
     # -- hooks ----------------------------------------------------------
@@ -84,79 +93,106 @@ class TrainerBase:
             phase: tuple(getattr(h, phase) for h in self.hooks if h.overrides(phase)) for phase in PHASES
         }
 
-    def call_hooks(self, phase: str) -> None:
+    def call_hooks(self, phase: str, *args) -> None:
+        """Run ``phase`` on every hook that overrides it, in priority order."""
         for fn in self._dispatch[phase]:
-            fn()
+            fn(*args)
+
+    # -- control --------------------------------------------------------
+    def request_stop(self, reason: str, agreed: bool = False) -> None:
+        """Ask the run to stop at the next step boundary, with a final checkpoint
+        and exit code 0. ``agreed=True`` when every rank makes the same request
+        at the same step (then no collective is needed to agree on it)."""
+        if not self.control.pending:
+            self.logger.info(f"Stop requested at step {self.global_step}: {reason}")
+        self.control.request(reason, agreed=agreed)
 
     # -- lifecycle ------------------------------------------------------
     def train(self) -> None:
-        """Run training to ``max_epoch``. Failures are logged once with their
-        traceback, writers are closed, and the exception propagates."""
-        ok = False
+        """Run training to ``max_epoch`` or until a stop (see the module docstring)."""
         try:
-            if self.preemption is not None:
-                self.preemption.install()
+            self.control.install()
+            if self.restore():
+                self.call_hooks("after_load_checkpoint")
             self.call_hooks("before_train")
             if self.train_state.epoch >= self.max_epoch:
                 self.logger.info(
                     f"Nothing to train: {self.train_state.epoch} of {self.max_epoch} epochs are already done "
                     "(raise `epoch` to extend this run)"
                 )
-            while self.train_state.epoch < self.max_epoch:
-                self.epoch = self.train_state.epoch
-                self.call_hooks("before_epoch")
-                self.run_epoch()
-                self.train_state.epoch += 1
-                self.train_state.iter_in_epoch = 0
-                self.call_hooks("after_epoch")
-            self.train_state.finished = True
-            self.call_hooks("after_train")
-            ok = True
-        except (TrainingPreempted, UserError):
-            ok = True  # an expected outcome, reported by the launcher
-            raise
-        except BaseException as err:
-            self.logger.exception(f"Training failed at epoch {self.epoch + 1}, step {self.global_step}")
-            err._pimm_logged = True  # the launcher must not log it a second time
+            stopped = self._run_epochs()
+            self.finish(stopped)
+            self.outcome = ("preempted" if self.control.preempted else "stopped") if stopped else "completed"
+        except BaseException as exc:
+            self.outcome = "failed"
+            if not isinstance(exc, UserError):
+                self.logger.exception(f"Training failed at epoch {self.epoch + 1}, step {self.global_step}")
+                exc._pimm_logged = True  # the launcher must not log it a second time
+            self.call_hooks("on_exception", exc)
             raise
         finally:
-            if self.preemption is not None:
-                self.preemption.uninstall()
-            self.close(flush=ok or comm.get_world_size() == 1)
+            try:
+                self.call_hooks("after_train")
+            finally:
+                self.control.uninstall()
+                self.close()
+        if self.outcome == "preempted":
+            raise TrainingPreempted(self.control.describe())
 
-    def run_epoch(self) -> None:
+    def _run_epochs(self) -> bool:
+        """The epoch loop; True when it was left by a stop."""
+        state = self.train_state
+        while state.epoch < self.max_epoch:
+            self.epoch = state.epoch
+            self.metrics.epoch = state.epoch + 1
+            self.call_hooks("before_epoch")
+            if self.run_epoch():
+                return True
+            state.epoch += 1
+            state.iter_in_epoch = 0
+            self.call_hooks("after_epoch")
+            if state.epoch < self.max_epoch and self.control.pending and self.control.should_stop(state.global_step):
+                return True
+        return False
+
+    def run_epoch(self) -> bool:
+        """The step loop of one epoch; True when it was left by a stop."""
         state = self.train_state
         before, after = self._dispatch["before_step"], self._dispatch["after_step"]
-        preemption = self.preemption
+        control = self.control
+        distributed = control.distributed
+        samples_per_step = self.samples_per_step
+        info = self.comm_info
+        metrics = self.metrics
         while state.iter_in_epoch < self.iters_per_epoch:
             for fn in before:
                 fn()
             self.run_step()
             state.iter_in_epoch += 1
             state.global_step += 1
-            state.samples_seen += self.samples_per_step
+            state.samples_seen += samples_per_step
+            info["iter"] = state.iter_in_epoch
+            metrics.step = state.global_step
             for fn in after:
                 fn()
-            if preemption is not None and preemption.should_stop(state.global_step):
-                self.on_preempted()
+            if (control.pending or distributed) and control.should_stop(state.global_step):
+                return True
+        return False
 
+    # -- for subclasses -------------------------------------------------
     def run_step(self) -> None:
+        """One optimizer step (forward, backward, ``after_backward``, update)."""
         raise NotImplementedError
 
-    def on_preempted(self) -> None:
-        start = time.perf_counter()
-        reason = self.preemption.received or "a signal on another rank"
-        self.logger.warning(f"Pre-empted by {reason} at step {self.global_step}: saving a checkpoint")
-        self.save_checkpoint()
-        self.logger.warning(
-            f"Checkpoint committed in {time.perf_counter() - start:.1f}s; exiting with code 75 "
-            "(rerun with resume=True to continue)"
-        )
-        raise TrainingPreempted(reason)
+    def restore(self) -> bool:
+        """Restore state (resume or warm start) before any hook runs; True if anything was restored."""
+        return False
+
+    def finish(self, stopped: bool) -> None:
+        """End of training: evaluate the final weights if due; on a stop, commit a final checkpoint."""
 
     def save_checkpoint(self) -> None:
         raise NotImplementedError
 
-    def close(self, flush: bool = True) -> None:
-        if self.writer is not None:
-            self.writer.close(flush=flush)
+    def close(self) -> None:
+        """Release resources (writers, loader workers); called once at the end."""

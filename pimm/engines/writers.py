@@ -1,9 +1,12 @@
-"""Scalar logging to ``metrics.jsonl``, TensorBoard and W&B.
+"""The sinks behind the metric channel: ``metrics.jsonl``, TensorBoard and W&B.
 
-Hot-path friendly: ``add_scalars`` only appends (device tensors stay on the
-device); ``flush`` moves every buffered tensor to the host in one transfer,
-averages it over ranks in one collective, and writes. All ranks buffer and
-flush in lockstep (the collective needs them); only rank 0 writes files.
+:class:`~pimm.engines.metrics.MetricChannel` buffers and reduces; this class
+only writes what it is handed, on rank 0. ``metrics.jsonl`` gets every record
+(floats with full precision; a non-finite value is written as ``null`` so
+every line stays valid JSON). TensorBoard and W&B get each flushed window of
+a dense per-step series reduced to one point at the window's last step, as
+detectron2 and mmengine log: a dashboard event per step would cost more than
+the step itself on small models.
 
 On resume the writer rewinds to the checkpoint: lines of ``metrics.jsonl``
 written after it are moved to ``metrics.rewound.jsonl`` (nothing is
@@ -14,16 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pimm.utils import comm
 
-__all__ = ["MetricsWriter"]
+__all__ = ["MetricsWriter", "METRICS_FILE", "REWOUND_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"
@@ -44,7 +46,6 @@ class MetricsWriter:
         self.use_wandb = use_wandb
         self.wandb_init = dict(wandb_init or {})
         self.logger = logger or logging.getLogger("pimm")
-        self._pending: list[tuple[int, int, dict[str, Any]]] = []
         self._jsonl = None
         self._tb = None
         self._wandb_run = None
@@ -55,49 +56,18 @@ class MetricsWriter:
             # Chosen here, not by wandb.init, so the first checkpoint already carries it.
             self.wandb_run_id = uuid.uuid4().hex[:12]
 
-    # -- buffering ------------------------------------------------------
-    def add_scalars(self, scalars: dict[str, Any], step: int, epoch: int, dense: bool = False) -> None:
-        """Queue ``tag: value`` pairs for ``step``. Tensor values are averaged over
-        ranks at flush time; python numbers are written as given.
-
-        ``dense=True`` marks a per-step series (the training loss): every value
-        goes to ``metrics.jsonl``, while TensorBoard and W&B get the mean over
-        each flushed window at its last step, as detectron2 and mmengine log —
-        a dashboard event per step would cost more than the step itself on
-        small models."""
-        self._pending.append((step, epoch, scalars, dense))
-
-    def flush(self) -> list[dict]:
-        """Write everything buffered; returns the records written (on every rank)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return []
-        tensors = [v for _, _, scalars, _ in pending for v in scalars.values() if isinstance(v, torch.Tensor)]
-        values = iter(())
-        if tensors:
-            # One stack and one host transfer for the whole window.
-            stacked = torch.stack([t.detach().reshape(()) for t in tensors]).float()
-            values = iter(comm.all_reduce(stacked, op="mean").tolist())
-        records, dense_flags = [], []
-        for step, epoch, scalars, dense in pending:
-            record = {"step": step, "epoch": epoch}
-            for tag, value in scalars.items():
-                record[tag] = next(values) if isinstance(value, torch.Tensor) else value
-            records.append(record)
-            dense_flags.append(dense)
-        if self.is_main:
-            self._write(records, dense_flags)
-        return records
-
-    def _write(self, records: list[dict], dense_flags: list[bool]) -> None:
+    def write(self, records: list[dict], kinds: list[tuple]) -> None:
+        """Write reduced records (the channel's sink). ``kinds[i]`` is ``(dense, reduce)``."""
+        if not self.is_main:
+            return
         self._open()
-        lines = "".join(json.dumps(r) + "\n" for r in records)
+        lines = "".join(json.dumps(_json_safe(r)) + "\n" for r in records)
         self._jsonl.write(lines)
         self._jsonl.flush()
         self.last_step = max(self.last_step, max(r["step"] for r in records))
         if self._tb is None and self._wandb_run is None:
             return
-        for step, scalars in _dashboard_events(records, dense_flags):
+        for step, scalars in _dashboard_events(records, kinds):
             if self._tb is not None:
                 for tag, value in scalars.items():
                     self._tb.add_scalar(tag, value, step)
@@ -122,7 +92,6 @@ class MetricsWriter:
 
     # -- resume ---------------------------------------------------------
     def state_dict(self) -> dict:
-        self.flush()
         if self._jsonl is not None:
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
@@ -140,7 +109,6 @@ class MetricsWriter:
 
     def rewind(self, jsonl_bytes: int, last_step: int) -> None:
         """Forget everything logged after a checkpoint taken at ``last_step``."""
-        self._pending.clear()
         self.last_step = last_step
         self._purge_step = last_step + 1
         if not self.is_main:
@@ -162,37 +130,42 @@ class MetricsWriter:
             f"{moved} later line(s) moved to {REWOUND_FILE}"
         )
 
-    def close(self, flush: bool = True) -> None:
-        """Flush and close. ``flush=False`` (after a failure) drops pending values:
-        flushing is a collective that other ranks may never join."""
-        try:
-            if flush:
-                self.flush()
-        finally:
-            if self._jsonl is not None:
-                self._jsonl.close()
-                self._jsonl = None
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
-            if self._wandb_run is not None:
-                self._wandb_run.finish()
-                self._wandb_run = None
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
 
-def _dashboard_events(records: list[dict], dense_flags: list[bool]):
+_WINDOW_REDUCE = {"min": min, "max": max, "last": lambda values: values[-1]}
+
+
+def _dashboard_events(records: list[dict], kinds: list[tuple]):
     """``(step, scalars)`` for the dashboards: each run of consecutive dense
-    records collapses into its mean at the run's last step."""
+    records collapses to one point at the run's last step (by the tag's
+    reduce op: min, max, last; the mean otherwise)."""
     window: list[dict] = []
+    window_reduce: Any = "mean"
 
     def collapse():
-        tags = [k for k in window[-1] if k not in ("step", "epoch") and _is_number(window[-1][k])]
-        means = {t: sum(r[t] for r in window if t in r) / sum(1 for r in window if t in r) for t in tags}
-        return window[-1]["step"], means
+        out = {}
+        for tag in window[-1]:
+            if tag in ("step", "epoch") or not _is_number(window[-1][tag]):
+                continue
+            values = [r[tag] for r in window if _is_number(r.get(tag))]
+            op = window_reduce if isinstance(window_reduce, str) else window_reduce.get(tag, "mean")
+            out[tag] = _WINDOW_REDUCE.get(op, lambda v: sum(v) / len(v))(values)
+        return window[-1]["step"], out
 
-    for record, dense in zip(records, dense_flags):
+    for record, (dense, reduce) in zip(records, kinds):
         if dense:
             window.append(record)
+            window_reduce = reduce
             continue
         if window:
             yield collapse()
@@ -203,4 +176,9 @@ def _dashboard_events(records: list[dict], dense_flags: list[bool]):
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _json_safe(record: dict) -> dict:
+    """Non-finite floats become null: bare NaN/Infinity are not JSON."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

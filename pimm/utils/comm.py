@@ -103,19 +103,63 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def _env_int(name: str, default: int | None = None, low: int = 0) -> int:
+    from pimm.utils.errors import UserError
+
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise UserError(f"{name} is not set but WORLD_SIZE is: set every torchrun variable (RANK, WORLD_SIZE, "
+                            "MASTER_ADDR, MASTER_PORT) or none")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise UserError(f"{name}={raw!r} is invalid: it must be an integer >= {low}")
+    return value
+
+
 def init_distributed_from_env(timeout_s: float = 1800.0) -> bool:
     """Join the process group described by torchrun-style environment variables
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``).
 
     Returns True when a multi-process group was initialised. The backend is
-    NCCL when CUDA is usable, gloo otherwise (so CPU-only machines work)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    NCCL when CUDA is usable, gloo otherwise (so CPU-only machines work).
+    Joining waits at most ``PIMM_DIST_INIT_TIMEOUT`` seconds (default 300) for
+    every rank: a rank started with the wrong variables fails with a message
+    instead of hanging; ``timeout_s`` bounds each collective afterwards."""
+    from pimm.utils.errors import UserError
+
+    world_size = _env_int("WORLD_SIZE", 1, low=1)
     if world_size <= 1 or is_dist():
         return is_dist()
+    rank = _env_int("RANK")
+    if rank >= world_size:
+        raise UserError(f"RANK={rank} is invalid for WORLD_SIZE={world_size}: ranks are 0..{world_size - 1}")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise UserError(f"{name} is not set but WORLD_SIZE={world_size} is: set MASTER_ADDR and MASTER_PORT "
+                            "(torchrun does) or run a single process")
+    _env_int("MASTER_PORT", low=1)
+    init_timeout = float(os.environ.get("PIMM_DIST_INIT_TIMEOUT", "300"))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(local_rank)
+    try:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=init_timeout)))
+        store.set_timeout(timedelta(seconds=init_timeout))  # every peer must join within it
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(
+            f"distributed start-up failed for RANK={rank} of WORLD_SIZE={world_size} at "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {init_timeout:g}s ({first}): start "
+            "every rank with the same WORLD_SIZE/MASTER_ADDR/MASTER_PORT; PIMM_DIST_INIT_TIMEOUT sets the wait"
+        ) from None
     return True
 
 

@@ -21,3 +21,15 @@ class RegistryError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint or weight file is missing, unreadable or does not fit."""
+
+
+class TrainingPreempted(Exception):
+    """Raised once a pre-emption checkpoint is committed; the CLI exits with
+    :data:`EXIT_PREEMPTED` so a job wrapper knows to requeue with ``resume=True``."""
+
+
+# The command line's exit codes (the public contract, docs/contract.md).
+EXIT_OK = 0
+EXIT_FAILURE = 1  # a runtime failure or bug: traceback in train.log
+EXIT_USAGE = 2  # bad config, option, checkpoint or data: one ``error:`` line
+EXIT_PREEMPTED = 75  # pre-empted after a committed checkpoint: rerun with resume=True

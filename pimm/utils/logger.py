@@ -1,5 +1,6 @@
 """The ``pimm`` logger: rank 0 writes ``save_path/train.log`` and the console;
-other ranks only report warnings and errors to the console."""
+other ranks report warnings and errors to the console, and their errors
+(a failing rank's own traceback) to ``train.log`` too, marked ``[rankN]``."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(formatter)
     logger.addHandler(console)
-    if rank == 0 and save_path is not None:
+    if save_path is not None:
         Path(save_path).mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(Path(save_path) / "train.log", mode="a")
+        file_handler.setLevel(logging.INFO if rank == 0 else logging.ERROR)
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
     return logger

@@ -3,7 +3,7 @@
 ``KillAtStep`` (in ``toy.py``) stops a run *between* steps; the hook here
 interrupts the checkpoint writer itself, which is where a non-atomic design
 would leave a half-written checkpoint behind. It wraps
-``pimm.engines.checkpoint._save_synced`` (the one function every checkpoint
+``pimm.engines.state.manager._save_synced`` (the one function every checkpoint
 file goes through) for the save of one chosen step:
 
 * ``signal_name="SIGKILL"``: write only the first half of ``file``'s bytes,
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import pimm.engines.checkpoint as checkpoint_module
+import pimm.engines.state.manager as checkpoint_module
 from pimm.engines import HOOKS, HookBase
 
 __all__ = ["CrashDuringSave", "install_save_crash"]

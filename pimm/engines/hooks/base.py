@@ -1,19 +1,29 @@
 """The hook contract.
 
 A hook owns one job around the training loop (timing, logging,
-checkpointing, evaluation...). The trainer calls, in priority order,
+checkpointing, evaluation, early stopping...). The trainer calls, in
+priority order (lower first; ties keep config order)::
 
+    modify_config(cfg)                   once, before anything reads the config
+    (everything is built; a resume restores every participant, hooks included)
+    after_load_checkpoint()              after a resume or a warm start
     before_train
       (before_epoch
-         (before_step, run_step, after_step)*
+         (before_step
+            run_step: forward, backward, after_backward, optimizer step
+          after_step)*
        after_epoch)*
-    after_train
+    after_train                          always, also after a failure (in a finally)
+    on_exception(exc)                    when training fails, before after_train
 
-and only the hooks that override a method are called for it (dispatch
-tables are built once). ``modify_config(cfg)`` runs once while the trainer is
-built, before any component exists, so a hook can adjust the config it needs.
-A hook's ``state_dict`` goes into every checkpoint and comes back through
-``load_state_dict`` on resume.
+and, whenever they happen: ``before_val`` / ``after_val(metrics)`` around an
+evaluation, ``before_save_checkpoint`` before the state is collected.
+
+Only the hooks that override a phase are called for it (dispatch tuples are
+built once), so a phase nobody uses costs nothing. A hook's ``state_dict``
+goes into every checkpoint and comes back through ``load_state_dict`` before
+``before_train``. ``self.trainer`` is a weak proxy to the trainer; hooks share
+values through ``self.trainer.metrics`` (:mod:`pimm.engines.metrics`).
 """
 
 from __future__ import annotations
@@ -37,7 +47,8 @@ PRIORITIES = {
     "LOWEST": 100,
 }
 
-PHASES = ("before_train", "before_epoch", "before_step", "after_step", "after_epoch", "after_train")
+PHASES = ("before_train", "before_epoch", "before_step", "after_backward", "after_step", "after_epoch", "after_train",
+          "before_val", "after_val", "before_save_checkpoint", "after_load_checkpoint", "on_exception")
 
 
 def get_priority(priority: int | str) -> int:
@@ -54,31 +65,53 @@ def get_priority(priority: int | str) -> int:
 
 
 class HookBase:
+    """Subclass, override the phases you need, register in ``HOOKS`` and list
+    in the config's ``hooks``. See the module docstring for the order."""
+
     priority: int | str = "NORMAL"
 
     #: A weak proxy to the trainer, set when the hook is registered.
     trainer: Any = None
 
     def modify_config(self, cfg) -> None:
-        pass
+        """Adjust the config before anything reads it (defaults, other hooks...)."""
 
     def before_train(self) -> None:
-        pass
+        """Training starts (the state is already restored on resume)."""
 
     def before_epoch(self) -> None:
-        pass
+        """An epoch starts (also a resumed, partly done one)."""
 
     def before_step(self) -> None:
-        pass
+        """A training step starts."""
+
+    def after_backward(self) -> None:
+        """Gradients of this step are present (unscaled, before clipping and the optimizer step)."""
 
     def after_step(self) -> None:
-        pass
+        """A training step finished (``trainer.global_step`` counts it)."""
 
     def after_epoch(self) -> None:
-        pass
+        """An epoch finished (``trainer.train_state.epoch`` counts it)."""
 
     def after_train(self) -> None:
-        pass
+        """Training ended: completed, stopped, pre-empted, or failed
+        (``trainer.outcome`` says which; after a failure avoid collectives)."""
+
+    def on_exception(self, exc: BaseException) -> None:
+        """Training failed with ``exc`` (called before ``after_train``)."""
+
+    def before_val(self) -> None:
+        """An evaluation starts (``trainer.eval_model`` is what will be evaluated)."""
+
+    def after_val(self, metrics: dict) -> None:
+        """An evaluation finished; ``metrics`` maps prefixed names (``val/mIoU``) to values."""
+
+    def before_save_checkpoint(self) -> None:
+        """A checkpoint is about to be collected."""
+
+    def after_load_checkpoint(self) -> None:
+        """The trainer restored a checkpoint or warm-start weights."""
 
     def state_dict(self) -> dict:
         return {}

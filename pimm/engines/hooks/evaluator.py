@@ -1,5 +1,10 @@
-"""EvaluatorBase: run the model over an evaluation split, reduce over ranks,
-log ``val/<name>`` scalars and report a new best metric.
+"""EvaluatorBase: score a model over an evaluation split, reduced over ranks.
+
+An evaluator hook decides *when* (each epoch end, or every N steps) and asks
+the trainer to validate (``trainer.validate([self])``); the trainer hands it
+the model to score (so an EMA hook can have its weights evaluated too),
+dispatches ``before_val`` / ``after_val``, publishes ``val/<name>`` scalars
+and keeps the best metric.
 
 A concrete evaluator implements four methods::
 
@@ -11,14 +16,14 @@ A concrete evaluator implements four methods::
                                     int/float values are logged as val/<name>
 
 and may override ``report(metrics) -> str`` for a per-class table.
-``metric_name`` (a key of ``compute``'s result) selects the best checkpoint.
+``metric_name`` (a key of ``compute``'s result) with ``greater_is_better``
+declares the metric's direction; the first such evaluator selects the best
+model (``model/model_best.pth``).
 Evaluation runs inside ``fork_rng`` so it never perturbs the training RNG
 streams, whether at an epoch end or mid-epoch (``every_n_steps``).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -30,6 +35,12 @@ __all__ = ["EvaluatorBase"]
 
 
 class EvaluatorBase(HookBase):
+    """Base of evaluator hooks (see the module docstring).
+
+    ``every_n_steps``: evaluate every N optimizer steps instead of at each
+    epoch end. The final weights are evaluated at the end of training in
+    either case, unless the last evaluation already saw them."""
+
     metric_name: str | None = None
     greater_is_better: bool = True
 
@@ -39,6 +50,7 @@ class EvaluatorBase(HookBase):
             raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.prefix = prefix
+        self.last_step: int | None = None
 
     # -- to implement ---------------------------------------------------
     def reset(self) -> None:
@@ -56,23 +68,42 @@ class EvaluatorBase(HookBase):
     def report(self, metrics: dict) -> str:
         return ""
 
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step}  # so a resumed run knows whether the final weights were scored
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step = state.get("last_step")
+
+    # -- metrics this evaluator defines ----------------------------------
+    def declare_metrics(self, channel) -> None:
+        """Tell the metric channel which way this evaluator's metrics go; the
+        first evaluator with a ``metric_name`` selects the best model."""
+        channel.declare(f"{self.prefix}/loss", "min")
+        if self.metric_name is not None:
+            name = f"{self.prefix}/{self.metric_name}"
+            channel.declare(name, "max" if self.greater_is_better else "min")
+            channel.track_best(name)
+
     # -- schedule -------------------------------------------------------
     def after_step(self):
-        if self.every_n_steps and self.trainer.global_step % self.every_n_steps == 0 and self.trainer.cfg.evaluate:
-            self.evaluate_and_log()
+        trainer = self.trainer
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and trainer.cfg.evaluate:
+            trainer.validate([self])
 
     def after_epoch(self):
         if not self.every_n_steps and self.trainer.cfg.evaluate:
-            self.evaluate_and_log()
+            self.trainer.validate([self])
 
     # -- running --------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, loader) -> dict:
+    def evaluate(self, loader, model: torch.nn.Module) -> dict:
+        """Metrics of ``model`` over ``loader``, reduced over ranks (a collective).
+        Runs inside ``fork_rng`` so it never perturbs the training RNG streams."""
         trainer = self.trainer
-        model = trainer.model_without_ddp
         was_training = model.training
-        loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        batches = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        device = next(iter(model.parameters()), torch.zeros(())).device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        batches = torch.zeros((), dtype=torch.float64, device=device)
         with fork_rng():
             model.eval()
             self.reset()
@@ -94,22 +125,4 @@ class EvaluatorBase(HookBase):
         comm.all_reduce(batches)
         if batches.item() > 0:
             metrics.setdefault("loss", (loss_sum / batches).item())
-        return metrics
-
-    def evaluate_and_log(self) -> dict:
-        trainer = self.trainer
-        start = time.perf_counter()
-        metrics = self.evaluate(trainer.val_loader)
-        scalars = {f"{self.prefix}/{k}": v for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        trainer.writer.add_scalars(scalars, step=trainer.global_step, epoch=trainer.epoch + 1)
-        trainer.writer.flush()
-        summary = " ".join(f"{k} {v:.4f}" for k, v in scalars.items())
-        trainer.logger.info(f"Eval at step {trainer.global_step} ({time.perf_counter() - start:.1f}s): {summary}")
-        table = self.report(metrics)
-        if table:
-            trainer.logger.info(table)
-        if self.metric_name is not None and self.metric_name in metrics:
-            if trainer.train_state.update_best(self.metric_name, metrics[self.metric_name], self.greater_is_better):
-                trainer.comm_info["new_best"] = True
         return metrics

@@ -1,16 +1,15 @@
-"""InformationWriter: every step's scalars to the writers, a log line every
-``log_frequency`` steps. ``train/lr`` is the learning rate the step used.
+"""InformationWriter: flushes the metric channel every ``log_frequency`` steps
+(and at each epoch end) and writes a log line.
 
-The per-step work is appending detached device tensors to the writer's
-buffer; the host transfer happens once per ``log_frequency`` steps.
+The trainer publishes every step's scalars (``train/loss``, ``train/lr``,
+the model's scalar outputs) as device tensors; the host transfer and the
+cross-rank reduction happen here, once per ``log_frequency`` steps.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-
-import torch
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
@@ -27,38 +26,27 @@ class InformationWriter(HookBase):
 
     def after_step(self):
         trainer = self.trainer
-        info = trainer.comm_info
-        scalars = {"train/loss": info["loss"], "train/lr": info["lr"]}
-        for key, value in info["model_output_dict"].items():
-            if key != "loss" and isinstance(value, torch.Tensor) and value.ndim == 0:
-                scalars[f"train/{key}"] = value.detach()
-        step = trainer.global_step
-        trainer.writer.add_scalars(scalars, step=step, epoch=trainer.epoch + 1, dense=True)
-        if step % self.log_frequency == 0 or trainer.iter == trainer.iters_per_epoch:
+        if trainer.global_step % self.log_frequency == 0 or trainer.iter == trainer.iters_per_epoch:
             self._flush_and_log()
 
     def _flush_and_log(self):
         trainer = self.trainer
-        records = trainer.writer.flush() or []
-        if not records:
-            return
+        records = trainer.metrics.flush()
         last = next((r for r in reversed(records) if "train/loss" in r), None)
         if last is None:
             return
-        storage = trainer.storage
-        eta = storage.latest("eta_seconds")
+        metrics = trainer.metrics
+        eta = metrics.latest("time/eta", float("nan"))
         eta_text = str(datetime.timedelta(seconds=int(eta))) if not math.isnan(eta) else "-"
         extras = " ".join(f"{k[6:]} {v:.4f}" for k, v in last.items()
-                          if k.startswith("train/") and k not in ("train/loss", "train/lr"))
+                          if k.startswith("train/") and k not in ("train/loss", "train/lr") and v is not None)
+        loss = last["train/loss"]
         trainer.logger.info(
             f"Train: [{trainer.epoch + 1}/{trainer.max_epoch}][{trainer.iter}/{trainer.iters_per_epoch}] "
-            f"step {trainer.global_step} loss {last['train/loss']:.4f} lr {last['train/lr']:.3e} "
+            f"step {trainer.global_step} loss {loss:.4f} lr {last['train/lr']:.3e} "
             f"{extras + ' ' if extras else ''}"
-            f"data {storage.avg('data_time'):.3f}s step {storage.avg('step_time'):.3f}s eta {eta_text}"
+            f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
         )
 
     def after_epoch(self):
-        self.trainer.writer.flush()
-
-    def after_train(self):
-        self.trainer.writer.flush()
+        self.trainer.metrics.flush()

@@ -1,4 +1,5 @@
-"""IterationTimer: data time, step time and ETA, kept in ``trainer.storage``."""
+"""IterationTimer: step time and ETA, shared through the metric channel
+(``time/step``, ``time/eta``; the trainer publishes ``time/data``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ class IterationTimer(HookBase):
     priority = "HIGH"
 
     def __init__(self, warmup_iter: int = 1):
+        if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int) or warmup_iter < 0:
+            raise ValueError(f"warmup_iter must be an integer >= 0, got {warmup_iter!r}")
         self.warmup_iter = warmup_iter
         self._step_start = 0.0
         self._timed_steps = 0
         self._timed_total = 0.0
+        self._train_start = time.perf_counter()
 
     def before_train(self):
         self._train_start = time.perf_counter()
@@ -30,16 +34,15 @@ class IterationTimer(HookBase):
     def after_step(self):
         trainer = self.trainer
         step_time = time.perf_counter() - self._step_start
-        storage = trainer.storage
-        storage.put("step_time", step_time)
-        storage.put("data_time", trainer.comm_info.get("data_time", 0.0))
+        metrics = trainer.metrics
+        metrics.put("time/step", step_time, log=False)
         self._timed_steps += 1
         if self._timed_steps > self.warmup_iter:  # the first steps pay for start-up
             self._timed_total += step_time
             mean = self._timed_total / (self._timed_steps - self.warmup_iter)
             remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - trainer.iter
-            storage.put("eta_seconds", mean * remaining)
+            metrics.put("time/eta", mean * remaining, log=False)
 
     def after_train(self):
-        elapsed = time.perf_counter() - getattr(self, "_train_start", time.perf_counter())
+        elapsed = time.perf_counter() - self._train_start
         self.trainer.logger.info(f"Training time: {elapsed:.1f}s for {self._timed_steps} step(s) in this process")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.utils.data import default_collate
 
-from pimm.engines.default_trainer import DefaultTrainer
+from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.registries import TRAINERS
 
 __all__ = ["ImageClassTrainer"]

@@ -8,7 +8,7 @@ instance targets survive batching. Resume is the DefaultTrainer's, exact.
 
 from __future__ import annotations
 
-from pimm.engines.default_trainer import DefaultTrainer
+from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.registries import TRAINERS
 
 __all__ = ["InsegTrainer"]

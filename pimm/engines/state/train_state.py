@@ -1,11 +1,20 @@
 """The trainer's position in training: what a checkpoint must restore besides
-the participants' own ``state_dict``s."""
+the participants' own ``state_dict``s.
+
+The layout fields (world size, batch per rank, accumulation, workers) say how
+the position was counted. A resume under another layout keeps the current
+layout and continues after the same number of samples (see
+:mod:`pimm.engines.state.participants`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+
+__all__ = ["TrainState", "LAYOUT_FIELDS"]
+
+LAYOUT_FIELDS = ("world_size", "batch_size_per_rank", "grad_accum_steps", "num_workers_per_rank")
 
 
 @dataclass
@@ -18,26 +27,13 @@ class TrainState:
     batch_size_per_rank: int = 0
     grad_accum_steps: int = 1
     num_workers_per_rank: int = 0
-    best_metric_name: str | None = None
-    best_metric: float | None = None
-    best_step: int | None = None
-    finished: bool = False
+    stop_reason: str | None = None  # set when a run stopped early by request (e.g. early stopping)
 
     def samples_seen_in_epoch(self) -> int:
         return self.iter_in_epoch * self.grad_accum_steps * self.batch_size_per_rank * self.world_size
 
-    def update_best(self, name: str, value: float, greater_is_better: bool = True) -> bool:
-        """Record ``value`` if it beats the best so far; True when it does."""
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return False
-        better = (
-            self.best_metric is None
-            or (greater_is_better and value > self.best_metric)
-            or (not greater_is_better and value < self.best_metric)
-        )
-        if better:
-            self.best_metric_name, self.best_metric, self.best_step = name, float(value), self.global_step
-        return better
+    def layout(self) -> dict:
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)

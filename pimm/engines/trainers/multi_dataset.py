@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch.utils.data import ConcatDataset
 
 from pimm.distributed.sampler import RatioSampler
-from pimm.engines.default_trainer import DefaultTrainer
+from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.registries import DATASETS, TRAINERS
 from pimm.utils.errors import ConfigError
 

@@ -4,7 +4,9 @@ Each child re-runs the same script with ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so the code path is
 the one torchrun takes. The parent forwards pre-emption signals to every
 child and, if one child fails, stops the others instead of leaving them
-blocked in a collective.
+blocked in a collective. The children's stderr passes through the parent,
+which prints an ``error:`` line that several ranks report only once (bad
+input is usually seen by every rank alike).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+
+from pimm.utils.errors import EXIT_PREEMPTED
 
 __all__ = ["spawn_local", "free_port"]
 
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-EXIT_PREEMPTED = 75
 
 
 def free_port() -> int:
@@ -45,10 +49,17 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0) -> int:
     the aggregate exit code (0, 75 when all stopped for pre-emption, else the failure)."""
     port = free_port()
     children = []
+    seen_errors: set[str] = set()
+    lock = threading.Lock()
+    pumps = []
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        children.append(subprocess.Popen([sys.executable, *command], env=env))
+        child = subprocess.Popen([sys.executable, *command], env=env, stderr=subprocess.PIPE)
+        children.append(child)
+        pump = threading.Thread(target=_pump_stderr, args=(child.stderr, seen_errors, lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
 
     def forward(signum, frame):
         for child in children:
@@ -65,6 +76,8 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0) -> int:
         while True:
             codes = [child.poll() for child in children]
             if all(c is not None for c in codes):
+                for pump in pumps:
+                    pump.join(timeout=5)
                 return _aggregate(codes)
             failure = any(c not in (None, 0, EXIT_PREEMPTED) for c in codes)
             if failure and failed_at is None:
@@ -78,3 +91,16 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _pump_stderr(stream, seen_errors: set, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        with lock:
+            if line.startswith("error: "):
+                if line in seen_errors:
+                    continue
+                seen_errors.add(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    stream.close()

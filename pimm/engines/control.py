@@ -1,0 +1,108 @@
+"""Stopping a run cleanly: requests from hooks and pre-emption signals.
+
+Anything may ask the trainer to stop: a hook (early stopping, live control)
+calls ``trainer.request_stop(reason)``; a pre-emption signal (SIGTERM, or
+whatever ``preempt_signals`` names) sets a flag from its handler, which does
+nothing else, so a second signal during the final save changes nothing.
+
+All ranks must stop at the same step boundary. A request made on every rank
+at the same step (``agreed=True``: e.g. early stopping decides on metrics that
+are identical on all ranks) takes effect at once. Anything else (a signal
+reaches ranks at different moments; a request from one rank) is agreed through
+one tiny all-reduce every ``check_every`` steps; a single process needs no
+agreement and checks its flags every step for free.
+
+When the trainer stops, it commits a final checkpoint, runs ``after_train``
+and then either returns (a requested stop: exit code 0) or raises
+:class:`~pimm.utils.errors.TrainingPreempted` (a signal: exit code 75, rerun
+with ``resume=True``).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Iterable
+
+import torch
+
+from pimm.utils import comm
+from pimm.utils.errors import ConfigError
+
+__all__ = ["StopControl", "resolve_signals"]
+
+# Flags combined into one all-reduce (MAX): a pre-emption outranks a request.
+_NONE, _REQUESTED, _PREEMPTED = 0, 1, 2
+
+
+def resolve_signals(names: Iterable[str], key: str = "preempt_signals") -> list[int]:
+    """Signal numbers for names like ``"SIGTERM"``; unknown names are a ConfigError."""
+    numbers = []
+    for name in names:
+        if not isinstance(name, str) or not name.startswith("SIG") or not hasattr(signal, name):
+            raise ConfigError(f"{key}: unknown signal {name!r} (use names like 'SIGTERM', 'SIGUSR2')")
+        numbers.append(getattr(signal, name))
+    return numbers
+
+
+class StopControl:
+    def __init__(self, preempt_signals: Iterable[str] = ("SIGTERM",), check_every: int = 10):
+        self.signals = resolve_signals(preempt_signals)
+        self.check_every = max(1, int(check_every))
+        self.distributed = comm.get_world_size() > 1
+        self.pending = False  # any local flag set: the only thing the loop reads per step
+        self.reason: str | None = None
+        self.preempted = False
+        self._agreed = False
+        self._signal_name: str | None = None
+        self._previous: dict = {}
+
+    # -- requests -------------------------------------------------------
+    def request(self, reason: str, agreed: bool = False) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self._agreed = self._agreed or agreed
+        self.pending = True
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal_name is None:
+            self._signal_name = signal.Signals(signum).name
+        self.preempted = True
+        self.pending = True
+
+    def install(self) -> None:
+        for signum in self.signals:
+            try:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    # -- the step-boundary check ------------------------------------------
+    def should_stop(self, global_step: int) -> bool:
+        """True on every rank at the same step boundary once a stop is due."""
+        if not self.distributed:
+            return self.pending
+        if self._agreed:  # requested on every rank at this very step: no collective needed
+            return True
+        if global_step % self.check_every:
+            return False
+        local = _PREEMPTED if self.preempted else _REQUESTED if self.pending else _NONE
+        flag = torch.tensor([float(local)])
+        agreed = int(comm.all_reduce(flag, op="max").item())
+        if agreed == _NONE:
+            return False
+        if agreed == _PREEMPTED:
+            self.preempted = True
+        elif self.reason is None:
+            self.reason = "a stop requested on another rank"
+        self.pending = True
+        return True
+
+    def describe(self) -> str:
+        if self.preempted:
+            return f"pre-empted by {self._signal_name or 'a signal on another rank'}"
+        return self.reason or "stop requested"

@@ -1,0 +1,226 @@
+"""The metric channel: the one way trainers and hooks publish scalars and read
+each other's.
+
+::
+
+    metrics = trainer.metrics
+    metrics.publish({"train/loss": loss, "train/lr": lr}, dense=True)   # device tensors: no host sync
+    metrics.publish({"train/reward_min": r}, reduce="min")              # reduced across ranks by min
+    metrics.latest("val/mIoU")                                          # what another hook published
+    metrics.mean("time/step")                                           # windowed host value (log lines)
+    metrics.direction("val/loss")                                       # "min" | "max" | None
+    metrics.best                                                        # BestMetric(name, mode, value, step)
+
+Every ``publish`` makes one record at the current step. Host numbers are
+kept as given (every rank publishes the same ones, or rank 0's are written).
+Device tensors stay on the device until :meth:`MetricChannel.flush`, which
+stacks them once per reduce op, moves them to the host in one transfer and
+reduces them across ranks by their op (``mean``, ``sum``, ``min``, ``max``;
+``last`` keeps rank 0's value). Flushing is a collective: every rank flushes
+at the same points (the log cadence, evaluations, checkpoints, the end), and
+the channel flushes by itself when ``max_pending`` records pile up, which
+happens at the same step on every rank because records are published in
+lockstep.
+
+A metric's direction (is larger better?) is declared once, by whoever
+defines the metric (an evaluator for ``val/<metric_name>``), and read by
+everyone who ranks values: best-checkpoint selection, early stopping. The
+best value itself lives here too and is saved in every checkpoint.
+
+Non-finite values of a watched tag (``train/loss`` by default) raise
+:class:`NonFiniteMetric` at the flush that first sees them, before anything
+(a checkpoint included) is written from the broken state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from pimm.utils import comm
+from pimm.utils.errors import ConfigError
+
+__all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix"]
+
+REDUCE_OPS = ("mean", "sum", "min", "max", "last")
+DIRECTIONS = ("min", "max")
+
+
+class NonFiniteMetric(FloatingPointError):
+    """A watched scalar (the training loss) became NaN or infinite."""
+
+    def __init__(self, step: int, tag: str, others: list[str]):
+        self.step, self.tag, self.others = step, tag, others
+        also = f" (also non-finite at that step: {', '.join(others)})" if others else ""
+        super().__init__(
+            f"{tag} is not finite at step {step}{also}; the run stops here and the last checkpoint before it is "
+            "kept untouched. Lower the learning rate, enable clip_grad, or check the data; the NaNGuard hook can "
+            "skip such steps instead"
+        )
+
+
+def reduce_op_by_suffix(name: str) -> str:
+    """``*_min`` -> min, ``*_max`` -> max, ``*_sum`` -> sum, anything else -> mean."""
+    for suffix in ("min", "max", "sum"):
+        if name.endswith("_" + suffix):
+            return suffix
+    return "mean"
+
+
+@dataclass
+class BestMetric:
+    name: str | None = None
+    mode: str | None = None
+    value: float | None = None
+    step: int | None = None
+
+    def is_better(self, value: float) -> bool:
+        if value is None or math.isnan(value):
+            return False
+        if self.value is None:
+            return True
+        return value > self.value if self.mode == "max" else value < self.value
+
+
+class MetricChannel:
+    def __init__(self, sink: Callable[[list[dict], list[tuple]], None] | None = None, max_pending: int = 1000,
+                 window: int = 20, watch_finite: tuple[str, ...] = ("train/loss",)):
+        self.sink = sink
+        self.max_pending = max_pending
+        self.watch_finite = set(watch_finite)
+        self.step, self.epoch = 0, 0  # set by the trainer at each step boundary
+        self._pending: list[tuple[int, int, dict, Any, bool]] = []
+        self._latest: dict[str, Any] = {}
+        self._windows: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
+        self._directions: dict[str, str] = {}
+        self.best = BestMetric()
+
+    # -- publishing -----------------------------------------------------
+    def publish(self, scalars: dict[str, Any], *, reduce: str | dict[str, str] = "mean", dense: bool = False,
+                log: bool = True, step: int | None = None) -> None:
+        """Record ``tag: value`` pairs at the current step (or ``step``).
+
+        ``reduce`` is one op for all tags or a ``{tag: op}`` dict (missing tags:
+        mean). ``dense=True`` marks a per-step series: every value goes to
+        ``metrics.jsonl``; dashboards get each flushed window's reduction.
+        ``log=False`` shares values with other hooks without writing them."""
+        for name, value in scalars.items():
+            if not isinstance(value, torch.Tensor):
+                self._latest[name] = value
+                self._windows[name].append(value)
+        if log:
+            self._pending.append((self.step if step is None else step, self.epoch, scalars, reduce, dense))
+            if len(self._pending) >= self.max_pending:
+                self.flush()
+
+    def put(self, name: str, value: Any, *, reduce: str = "mean", log: bool = True) -> None:
+        """One scalar; see :meth:`publish`."""
+        self.publish({name: value}, reduce=reduce, log=log)
+
+    # -- reading --------------------------------------------------------
+    def latest(self, name: str, default: Any = None) -> Any:
+        """The newest value of ``name``, reduced across ranks. Device tensors
+        count once flushed (log cadence, evaluations, checkpoints)."""
+        return self._latest.get(name, default)
+
+    def mean(self, name: str, default: float = float("nan")) -> float:
+        """Mean of the recent host values of ``name`` (a window of 20)."""
+        values = self._windows.get(name)
+        return sum(values) / len(values) if values else default
+
+    def names(self) -> list[str]:
+        return sorted(self._latest)
+
+    # -- directions and the best value ------------------------------------
+    def declare(self, name: str, mode: str) -> None:
+        """Declare whether larger (``max``) or smaller (``min``) is better for ``name``."""
+        if mode not in DIRECTIONS:
+            raise ConfigError(f"metric {name!r}: mode must be 'min' or 'max', got {mode!r}")
+        known = self._directions.get(name)
+        if known is not None and known != mode:
+            raise ConfigError(f"metric {name!r} is declared both {known!r} and {mode!r}: one metric has one direction")
+        self._directions[name] = mode
+
+    def direction(self, name: str) -> str | None:
+        return self._directions.get(name)
+
+    def track_best(self, name: str) -> None:
+        """Make ``name`` (declared beforehand) the metric that selects the best model."""
+        if name not in self._directions:
+            raise ConfigError(f"best metric {name!r} has no declared direction")
+        if self.best.name is None:
+            self.best = BestMetric(name=name, mode=self._directions[name])
+
+    def update_best(self, name: str, value: float, step: int) -> bool:
+        """Record ``value`` of ``name`` if it is the tracked metric and beats the best; True when it does."""
+        if name != self.best.name or not self.best.is_better(value):
+            return False
+        self.best.value, self.best.step = float(value), step
+        return True
+
+    def state_dict(self) -> dict:
+        return {"best": dict(name=self.best.name, mode=self.best.mode, value=self.best.value, step=self.best.step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        best = state.get("best") or {}
+        if best.get("name") is not None and best["name"] == self.best.name:
+            self.best.value, self.best.step = best.get("value"), best.get("step")
+
+    # -- flushing -------------------------------------------------------
+    def flush(self) -> list[dict]:
+        """Reduce everything buffered and hand it to the sink (a collective).
+        Returns the records, identical on every rank."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        values = _reduce_tensors(pending)
+        records, kinds = [], []
+        for index, (step, epoch, scalars, reduce, dense) in enumerate(pending):
+            record = {"step": step, "epoch": epoch}
+            for tag, value in scalars.items():
+                if isinstance(value, torch.Tensor):
+                    value = values[(index, tag)]
+                    self._latest[tag] = value
+                record[tag] = value
+            records.append(record)
+            kinds.append((dense, reduce))
+        self._check_finite(records)
+        if self.sink is not None:
+            self.sink(records, kinds)
+        return records
+
+    def discard(self) -> None:
+        """Drop what is buffered (after a failure, when other ranks may never flush)."""
+        self._pending.clear()
+
+    def _check_finite(self, records: list[dict]) -> None:
+        for record in records:
+            bad = [tag for tag, value in record.items()
+                   if isinstance(value, float) and not math.isfinite(value) and tag not in ("step", "epoch")]
+            watched = [tag for tag in bad if tag in self.watch_finite]
+            if watched:
+                raise NonFiniteMetric(record["step"], watched[0], [t for t in bad if t != watched[0]])
+
+
+def _reduce_tensors(pending: list) -> dict[tuple[int, str], float]:
+    """One stack, one host transfer and one collective per reduce op in use."""
+    by_op: dict[str, list[tuple[tuple[int, str], torch.Tensor]]] = defaultdict(list)
+    for index, (_, _, scalars, reduce, _) in enumerate(pending):
+        for tag, value in scalars.items():
+            if isinstance(value, torch.Tensor):
+                op = reduce if isinstance(reduce, str) else reduce.get(tag, "mean")
+                by_op[op].append(((index, tag), value))
+    out: dict[tuple[int, str], float] = {}
+    for op, items in by_op.items():
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"metric {items[0][0][1]!r}: reduce must be one of {REDUCE_OPS}, got {op!r}")
+        stacked = torch.stack([t.detach().reshape(()).float() for _, t in items])
+        if op != "last":
+            stacked = comm.all_reduce(stacked, op=op)
+        for (key, _), value in zip(items, stacked.tolist()):
+            out[key] = value
+    return out

@@ -1,0 +1,114 @@
+"""One optimizer update, the same for every trainer.
+
+A trainer computes losses; :class:`OptimStep` turns them into one update::
+
+    for i, micro_batch in enumerate(micro_batches):
+        with optim_step.sync(last=i == len(micro_batches) - 1):   # DDP/FSDP: all-reduce only on the last
+            optim_step.backward(loss_of(micro_batch) * weight)   # AMP-scaled when a GradScaler is on
+    result = optim_step.step()   # unscale, on_gradients(), clip, step, scheduler, zero_grad
+
+:meth:`OptimStep.step` unscales the gradients (fp16 AMP), calls
+``on_gradients`` (the trainer's ``after_backward`` hooks: gradients are
+present and in true units), clips, steps the optimizer, steps the scheduler
+only if the optimizer really stepped (a GradScaler skips steps whose
+gradients overflowed), and zeroes the gradients. It returns
+:class:`StepResult`: the gradient norm (a device tensor, or None when it was
+neither clipped nor asked for) and whether the step happened.
+
+Only the fp16 GradScaler path synchronises with the host (to learn whether
+the step was skipped); every other path queues device work only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+
+__all__ = ["OptimStep", "StepResult"]
+
+
+class StepResult(NamedTuple):
+    grad_norm: torch.Tensor | None  # total 2-norm before clipping (None: not computed)
+    stepped: bool  # False when the GradScaler skipped a step with inf/NaN gradients
+    lr: float  # the learning rate of the first param group that this update used
+
+
+class OptimStep:
+    """Owns the GradScaler, clipping, gradient-sync control, the optimizer step,
+    ``zero_grad`` and the scheduler step.
+
+    ``model`` is the module the loss is computed through (the DDP/FSDP wrapper
+    when distributed); it decides how gradient sync is paused on inner
+    micro-batches. ``track_grad_norm`` computes the norm on every step even
+    without clipping (one fused norm over all gradients)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, scheduler=None, scaler: torch.amp.GradScaler | None = None,
+                 clip_grad: float | None = None, model: torch.nn.Module | None = None,
+                 params: Iterable[torch.nn.Parameter] | None = None, track_grad_norm: bool = False):
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.clip_grad = clip_grad
+        self.track_grad_norm = track_grad_norm
+        if params is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = [p for p in params if p.requires_grad]
+        self.on_gradients: Callable[[], None] | None = None
+        self._pause_sync = _sync_pauser(model)
+
+    def sync(self, last: bool = True):
+        """Context for one micro-batch's backward: gradient all-reduce happens only when ``last``."""
+        if last or self._pause_sync is None:
+            return contextlib.nullcontext()
+        return self._pause_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> StepResult:
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        if self.on_gradients is not None:
+            self.on_gradients()
+        grad_norm = None
+        if self.clip_grad is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
+        elif self.track_grad_norm:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        lr = self.optimizer.param_groups[0]["lr"]
+        if scaler is not None:
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            stepped = scaler.get_scale() >= scale  # the scale shrinks exactly when the step was skipped
+        else:
+            self.optimizer.step()
+            stepped = True
+        self.optimizer.zero_grad(set_to_none=True)
+        if stepped and self.scheduler is not None:
+            self.scheduler.step()
+        return StepResult(grad_norm, stepped, lr)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _sync_pauser(model: torch.nn.Module | None):
+    """A zero-argument context factory that pauses gradient sync, or None."""
+    if model is None:
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard)
+        @contextlib.contextmanager
+        def paused():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return paused
+    return None

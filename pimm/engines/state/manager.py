@@ -1,0 +1,333 @@
+"""Crash-safe, resumable checkpoints: collect every participant's state, publish
+atomically, restore the newest complete one.
+
+Layout of ``save_path/checkpoints``::
+
+    step000000120-epoch0003/      one committed checkpoint
+        common.pth                rank 0: model, optimizer, scheduler, scaler,
+                                  train state, writer, config
+        rank00000.pth ...         per rank: RNG streams, loader position, hooks
+        COMMITTED                 JSON manifest (sizes, CRC-32s), written last
+    .tmp-step000000140-epoch0003/ a save in progress (never resumed from)
+
+A save writes into a ``.tmp-`` folder, fsyncs every file, has rank 0 write
+the manifest (each file's size and CRC-32) and renames the folder into place. The
+rename is atomic, so a kill at any moment leaves either the old set of
+checkpoints or the new one; resume only looks at folders with a manifest
+whose files all have the recorded sizes and checksums and load, falling back to the
+previous checkpoint otherwise. Old checkpoints are deleted (by the retention
+policy) only after the new one is committed.
+
+Saving the same step again heals: a committed folder that fails its check,
+or a step folder without a manifest, is moved aside (``.damaged-...``, kept
+for inspection, never resumed from) and the step is written anew.
+
+Every rank calls every participant's ``state_dict()`` (gathering a sharded
+state is a collective); rank 0 writes the shared states, every rank its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pimm.utils import comm
+
+__all__ = ["CheckpointManager", "Retention", "atomic_torch_save", "LoadedCheckpoint", "checkpoint_name"]
+
+_NAME = re.compile(r"^step(\d{9})-epoch(\d{4,})$")
+MANIFEST = "COMMITTED"
+COMMON = "common.pth"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _ChecksummingFile:
+    """Write-only file wrapper that keeps a CRC-32 of everything written, so a
+    checkpoint's checksum costs no second read."""
+
+    def __init__(self, fh):
+        self.fh, self.crc, self.size = fh, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _save_synced(obj: Any, path: Path) -> dict:
+    with open(path, "wb") as fh:
+        out = _ChecksummingFile(fh)
+        torch.save(obj, out)
+        fh.flush()
+        os.fsync(fh.fileno())
+        return {"size": out.size, "crc32": out.crc}
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save`` that never leaves a half-written file at ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    _save_synced(obj, tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def checkpoint_name(global_step: int, epoch: int) -> str:
+    return f"step{global_step:09d}-epoch{epoch:04d}"
+
+
+@dataclass
+class Retention:
+    """Which committed checkpoints survive a save. The newest is always kept
+    (resume needs it); on top of it the ``keep_last - 1`` before it, the newest
+    one that was the best, every one whose step is a multiple of
+    ``keep_every`` (kept forever), or all of them."""
+
+    keep_last: int = 2
+    keep_best: bool = True
+    keep_every: int | None = None
+    keep_all: bool = False
+
+    def survivors(self, committed: list[tuple[Path, dict]]) -> set[Path]:
+        if self.keep_all:
+            return {path for path, _ in committed}
+        keep = {path for path, _ in committed[-max(1, self.keep_last):]}
+        if self.keep_best:
+            best = [path for path, manifest in committed if manifest.get("is_best")]
+            keep.update(best[-1:])
+        if self.keep_every:
+            keep.update(path for path, manifest in committed
+                        if manifest.get("global_step", 1) % self.keep_every == 0)
+        return keep
+
+
+class LoadedCheckpoint:
+    def __init__(self, path: Path, manifest: dict, common: dict, rank_state: dict | None):
+        self.path, self.manifest, self.common, self.rank_state = path, manifest, common, rank_state
+
+
+class CheckpointManager:
+    """Saves and restores named participants (anything with ``state_dict`` /
+    ``load_state_dict``). ``scope="shared"`` participants are replicated across
+    ranks and written once, by rank 0; ``scope="rank"`` ones are written by
+    every rank. Participants are restored in registration order."""
+
+    def __init__(self, directory: str | Path, retention: Retention | None = None,
+                 logger: logging.Logger | None = None):
+        self.directory = Path(directory)
+        self.retention = retention or Retention()
+        self.logger = logger or logging.getLogger("pimm")
+        self._shared: dict[str, Any] = {}
+        self._per_rank: dict[str, Any] = {}
+        self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
+
+    # -- participants ---------------------------------------------------
+    def register(self, name: str, participant: Any, scope: str = "shared") -> None:
+        if scope not in ("shared", "rank"):
+            raise ValueError(f"scope must be 'shared' or 'rank', got {scope!r}")
+        if name in self._shared or name in self._per_rank:
+            raise ValueError(f"checkpoint participant {name!r} is registered twice")
+        (self._shared if scope == "shared" else self._per_rank)[name] = participant
+
+    def participants(self) -> dict[str, Any]:
+        return {**self._shared, **self._per_rank}
+
+    @staticmethod
+    def _collect(participants: dict[str, Any]) -> dict:
+        return {name: p.state_dict() for name, p in participants.items()}
+
+    # -- listing --------------------------------------------------------
+    def step_folders(self) -> list[Path]:
+        """Every ``step...-epoch...`` folder, committed or not, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for child in self.directory.iterdir():
+            match = _NAME.match(child.name)
+            if match and child.is_dir():
+                found.append(((int(match.group(1)), int(match.group(2))), child))
+        return [path for _, path in sorted(found)]
+
+    def committed(self) -> list[Path]:
+        """Committed checkpoint folders, oldest first."""
+        return [path for path in self.step_folders() if (path / MANIFEST).is_file()]
+
+    def has_checkpoints(self) -> bool:
+        return bool(self.step_folders())
+
+    # -- saving ---------------------------------------------------------
+    def save(self, global_step: int, epoch: int, extra_manifest: dict | None = None) -> Path:
+        """Collective: every rank must call it at the same step."""
+        rank, world = comm.get_rank(), comm.get_world_size()
+        name = checkpoint_name(global_step, epoch)
+        final = self.directory / name
+        tmp = self.directory / f".tmp-{name}"
+        shared = self._collect(self._shared)  # on every rank: gathering may be a collective
+        per_rank = self._collect(self._per_rank)
+        existing = comm.broadcast_object(self._verify(final) if rank == 0 and final.exists() else None)
+        if existing == "ok":
+            return final  # this step is already committed and intact
+        start = time.perf_counter()
+        if rank == 0:
+            if existing is not None:
+                aside = self._move_aside(final)
+                self.logger.warning(f"Checkpoint {final.name} was unusable ({existing}); moved it to "
+                                    f"{aside.name} and saving step {global_step} again")
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save that was killed: partial by definition
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        comm.synchronize()
+        files = {f"rank{rank:05d}.pth": _save_synced(per_rank, tmp / f"rank{rank:05d}.pth")}
+        if rank == 0:
+            files[COMMON] = _save_synced(shared, tmp / COMMON)
+        del shared, per_rank
+        all_files = comm.all_gather_object(files)
+        if rank == 0:
+            manifest = {
+                "global_step": global_step,
+                "epoch": epoch,
+                "world_size": world,
+                "time": time.time(),
+                "files": {k: v for part in all_files for k, v in part.items()},
+                **(extra_manifest or {}),
+            }
+            with open(tmp / MANIFEST, "w") as fh:
+                json.dump(manifest, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+            self.apply_retention()
+            self.logger.info(f"Saved checkpoint {final} ({time.perf_counter() - start:.2f}s)")
+        comm.synchronize()
+        return final
+
+    def _move_aside(self, path: Path) -> Path:
+        index = 1
+        while (aside := path.with_name(f".damaged-{path.name}-{index}")).exists():
+            index += 1
+        os.replace(path, aside)
+        return aside
+
+    def apply_retention(self) -> None:
+        """Delete committed checkpoints the retention policy does not keep (rank 0).
+        Called after each commit, and at start-up of a resumed run."""
+        committed = [(path, self._read_manifest(path)) for path in self.committed()]
+        keep = self.retention.survivors(committed)
+        for path, _ in committed:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+        for stale in self.directory.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    @staticmethod
+    def _read_manifest(path: Path) -> dict:
+        try:
+            with open(path / MANIFEST) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return {}
+
+    # -- verifying and loading --------------------------------------------
+    def _verify(self, path: Path) -> str:
+        """``"ok"``, or why the folder cannot be resumed from."""
+        if not (path / MANIFEST).is_file():
+            return "no COMMITTED manifest: an interrupted save or a partial copy"
+        manifest = self._read_manifest(path)
+        if not manifest or "files" not in manifest:
+            return "its COMMITTED manifest is unreadable"
+        for fname, expected in manifest["files"].items():
+            actual = (path / fname).stat().st_size if (path / fname).exists() else None
+            if actual != expected["size"]:
+                return f"{fname} has {actual} bytes, the manifest says {expected['size']}"
+            if _file_crc32(path / fname) != expected["crc32"]:
+                return f"{fname} fails its CRC-32 check (corrupted on disk)"
+        return "ok"
+
+    def _try_load(self, path: Path, rank: int) -> LoadedCheckpoint:
+        verdict = self._verify(path)
+        if verdict != "ok":
+            raise ValueError(verdict)
+        manifest = self._read_manifest(path)
+        common = torch.load(path / COMMON, map_location="cpu", weights_only=False)
+        rank_file = path / f"rank{rank:05d}.pth"
+        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
+        return LoadedCheckpoint(path, manifest, common, rank_state)
+
+    def load_latest(self) -> LoadedCheckpoint | None:
+        """The newest checkpoint that every rank can read, or None. The ones
+        passed over are in :attr:`rejected` with the reason, and logged."""
+        rank = comm.get_rank()
+        candidates = comm.broadcast_object([str(p) for p in reversed(self.step_folders())])
+        self.rejected = []
+        for candidate in candidates:
+            path = Path(candidate)
+            try:
+                loaded, error = self._try_load(path, rank), None
+            except Exception as err:  # a damaged file may fail in many ways
+                loaded, error = None, f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+            if comm.any_rank(loaded is None):
+                reason = error or "unreadable on another rank"
+                self.rejected.append((path, reason))
+                self.logger.warning(f"Checkpoint {path.name} cannot be resumed from ({reason}); trying the previous one")
+                continue
+            return loaded
+        return None
+
+    def restore(self, loaded: LoadedCheckpoint, context: Any = None, skip_rank_states: bool = False) -> None:
+        """Hand every participant its state, in registration order. A participant
+        with a ``restore(state, context)`` method gets that call instead of
+        ``load_state_dict`` (it adapts to a changed layout); per-rank states are
+        skipped when ``skip_rank_states`` (another world size), and such a
+        participant then gets ``restore(None, context)``."""
+        for name, participant in self._shared.items():
+            if name in loaded.common:
+                _restore_one(participant, loaded.common[name], context)
+        for name, participant in self._per_rank.items():
+            state = None if skip_rank_states or loaded.rank_state is None else loaded.rank_state.get(name)
+            if state is not None or hasattr(participant, "restore"):
+                _restore_one(participant, state, context)
+
+
+def _restore_one(participant: Any, state: Any, context: Any) -> None:
+    restore = getattr(participant, "restore", None)
+    if restore is not None:
+        restore(state, context)
+    elif state is not None:
+        participant.load_state_dict(state)

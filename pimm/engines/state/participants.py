@@ -1,0 +1,224 @@
+"""Checkpoint participants that wrap a component to give it the restore rules
+of :mod:`pimm.engines.state.restore`, plus the ones that are not components:
+the RNG streams, the hooks' states, the data position and the run's metadata.
+
+Each participant restores itself; those that must adapt when the process
+layout changed, or report what the config changed, have a
+``restore(state, context)`` method that receives the
+:class:`~pimm.engines.state.restore.RestoreContext`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pimm.engines.data import train_sampler
+from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
+from pimm.utils.errors import CheckpointError
+from pimm.utils.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["ModelParticipant", "OptimizerParticipant", "SchedulerParticipant", "TrainStateParticipant",
+           "RNGParticipant", "HooksParticipant", "MetaParticipant", "LoaderParticipant"]
+
+
+class ModelParticipant:
+    """Model weights; a checkpoint that does not fit the model is a one-line error."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def restore(self, state: dict, context) -> None:
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+                      if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape]
+        if missing or unexpected or mismatched:
+            parts = [f"{label} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                     for label, keys in (("missing", missing), ("unexpected", unexpected),
+                                         ("shape-mismatched", mismatched)) if keys]
+            raise CheckpointError(
+                f"checkpoint {context.path.name} does not fit model {type(self.model).__name__} "
+                f"({'; '.join(parts)}): the model config changed since it was saved; resume it with the "
+                "original model config, or start a new run (a new save_path) with weight=<model file>"
+            )
+        self.model.load_state_dict(state)
+
+
+class OptimizerParticipant:
+    """Optimizer state (moments, step counts) comes from the checkpoint; every
+    param-group value (lr and its schedule bookkeeping, weight decay, betas,
+    momentum, ...) comes from the config, so an edited config takes effect on
+    resume. The scheduler then sets the lr (and a cycled momentum) for the
+    restored step. ``unreported``: keys that differ by design between a saved
+    step and a fresh build (the lr, a cycled momentum), not listed as changes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, unreported: tuple[str, ...] = ("lr",)):
+        self.optimizer = optimizer
+        self.unreported = set(unreported)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def restore(self, state: dict, context) -> None:
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        saved_groups = state.get("param_groups", [])
+        if len(saved_groups) != len(configured):
+            raise CheckpointError(
+                f"checkpoint {context.path.name} has {len(saved_groups)} optimizer param groups, the config builds "
+                f"{len(configured)} (param_dicts changed?): resume with the original optimizer config"
+            )
+        try:
+            self.optimizer.load_state_dict(state)
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"checkpoint {context.path.name}: the optimizer state does not fit "
+                                  f"({err}); resume with the original model and optimizer config") from None
+        for index, (group, values, saved) in enumerate(zip(self.optimizer.param_groups, configured, saved_groups)):
+            for key, value in values.items():
+                if key not in self.unreported and saved.get(key) != value:
+                    what = "lr" if key == "initial_lr" else key
+                    context.config_wins(f"optimizer group {group.get('name', index)} {what}", saved.get(key), value)
+                group[key] = value
+
+
+class SchedulerParticipant:
+    """The schedule's progress comes from the checkpoint, its parameters
+    (length, warm-up, milestones, base lrs) from the config: pimm's schedulers
+    load only their step counters (see :mod:`pimm.engines.scheduler`)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def restore(self, state: dict, context) -> None:
+        for key in ("total_steps", "warmup_steps", "milestones", "gamma", "power"):
+            if key in state and hasattr(self.scheduler, key) and state[key] != getattr(self.scheduler, key):
+                context.config_wins(f"scheduler {key}", state[key], getattr(self.scheduler, key))
+        self.scheduler.load_state_dict(state)
+
+
+class TrainStateParticipant:
+    """The position in training. Under a changed process layout the current
+    layout is kept and the old one is reported to the context."""
+
+    def __init__(self, train_state: TrainState):
+        self.train_state = train_state
+
+    def state_dict(self) -> dict:
+        return self.train_state.state_dict()
+
+    def restore(self, state: dict, context) -> None:
+        current = self.train_state.layout()
+        self.train_state.load_state_dict(state)
+        context.saved_train_state = TrainState(**{k: v for k, v in state.items()
+                                                  if k in TrainState.__dataclass_fields__})
+        changed = {k: (state.get(k), current[k]) for k in LAYOUT_FIELDS if state.get(k) != current[k]}
+        context.layout_changed = changed
+        self.train_state.load_state_dict(current)
+
+
+class RNGParticipant:
+    """The process's RNG streams (per rank). Under another world size the
+    streams cannot be matched to ranks; the current ones are kept."""
+
+    def state_dict(self) -> dict:
+        return capture_rng_state()
+
+    def restore(self, state: dict | None, context) -> None:
+        if state is None:
+            context.inexact("the per-rank random streams")
+            return
+        restore_rng_state(state)
+
+
+class MetaParticipant:
+    """What a resume compares against: the config and the schedule length."""
+
+    def __init__(self, config_flat: dict, total_steps: int):
+        self.meta = {"config_flat": config_flat, "total_steps": total_steps}
+
+    def state_dict(self) -> dict:
+        return self.meta
+
+    def restore(self, state: dict, context) -> None:
+        context.saved_config_flat = state.get("config_flat", {})
+
+
+class HooksParticipant:
+    """All hooks' states (per rank), matched back by position and type."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> list:
+        return [{"type": type(h).__name__, "state": h.state_dict()} for h in self.trainer.hooks]
+
+    def restore(self, states: list | None, context) -> None:
+        if states is None:
+            # Another world size: every rank takes rank 0's hook states, which
+            # hold the run's shared decisions (counters, patience, revisions).
+            states = context.rank0_state("hooks")
+            if states is None:
+                return
+        hooks = self.trainer.hooks
+        if [s["type"] for s in states] != [type(h).__name__ for h in hooks]:
+            context.note("the hooks differ from the checkpoint's; hook states were restored by type in order "
+                         "of appearance")
+            by_type: dict[str, list] = {}
+            for s in states:
+                by_type.setdefault(s["type"], []).append(s["state"])
+            for hook in hooks:
+                queue = by_type.get(type(hook).__name__)
+                if queue:
+                    hook.load_state_dict(queue.pop(0))
+            return
+        for hook, s in zip(hooks, states):
+            hook.load_state_dict(s["state"])
+
+
+class LoaderParticipant:
+    """The training data position (per rank).
+
+    Under a :class:`StatefulRandomSampler` a sample is a pure function of
+    ``(seed, epoch, position)``, so the position alone restores the data
+    stream exactly and in O(1): no worker state, no replayed batches. Other
+    loaders (iterable data sets) save and restore ``StatefulDataLoader``'s own
+    state, snapshotted at the checkpoint cadence. When the layout changed,
+    the epoch continues after the same number of samples, in the new layout's
+    steps."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        trainer = self.trainer
+        state = trainer.train_state
+        if train_sampler(trainer.train_loader) is not None:
+            return {"kind": "position", "epoch": state.epoch, "samples_in_epoch": state.samples_seen_in_epoch()}
+        # Between epochs the loader still describes the finished epoch's iterator.
+        return {"kind": "loader", "state": trainer.train_loader.state_dict() if state.iter_in_epoch else None}
+
+    def restore(self, state: dict | None, context) -> None:
+        trainer, train_state = self.trainer, self.trainer.train_state
+        if not context.layout_changed and state is not None:
+            if state["kind"] == "position":
+                trainer.resume_position(state["samples_in_epoch"])
+            elif state["state"] is not None:
+                trainer.train_loader.load_state_dict(state["state"])
+            return
+        context.inexact("the data order inside this epoch")
+        consumed = context.saved_train_state.samples_seen_in_epoch()
+        sampler = train_sampler(trainer.train_loader)
+        if train_state.iter_in_epoch > 0 and sampler is not None:
+            sampler.set_epoch(train_state.epoch, consumed)
+            remaining = len(trainer.train_loader) // train_state.grad_accum_steps
+            train_state.iter_in_epoch = max(0, trainer.iters_per_epoch - remaining)
+            trainer.resume_position(consumed)
+        elif train_state.iter_in_epoch > 0:
+            context.note("this loader cannot skip to a sample count: the interrupted epoch restarts")
+            train_state.iter_in_epoch = 0

@@ -1,0 +1,131 @@
+"""Resuming a run from its newest complete checkpoint.
+
+The trainer calls :func:`restore_latest` once, after everything is built and
+before the first hook's ``before_train``; every participant (hooks included)
+restores itself through the :class:`~pimm.engines.state.manager.CheckpointManager`.
+
+What wins when the config changed between the runs (the rule, also in
+docs/checkpoints.md):
+
+* the checkpoint wins for **state**: weights, optimizer moments and step
+  counts, the schedule's progress, the position in training and in the data,
+  RNG streams, hook states, the best metric;
+* the config wins for **hyperparameters**: each param group's lr, weight
+  decay, betas, momentum, ...; the schedule's parameters (its length after
+  ``epoch`` was raised, warm-up, milestones); ``clip_grad``, AMP, everything
+  else read from the config. Each such change is listed in a warning.
+
+An unchanged config resumes bit-identically. A changed process layout (world
+size, batch per rank, accumulation, data workers) continues after the same
+number of samples, with a warning naming what can no longer match the
+uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pimm.engines.state.manager import CheckpointManager, LoadedCheckpoint
+from pimm.utils.errors import CheckpointError
+
+__all__ = ["RestoreContext", "restore_latest", "flatten_config", "describe_config_changes"]
+
+# Config sections whose change between runs alters the training itself.
+_RELEVANT = ("model", "optimizer", "scheduler", "data", "param_dicts", "batch_size", "grad_accum_steps", "seed",
+             "clip_grad", "enable_amp", "amp_dtype", "train")
+
+
+class RestoreContext:
+    """What participants learn and report while they restore."""
+
+    def __init__(self, loaded: LoadedCheckpoint):
+        self.loaded = loaded
+        self.path: Path = loaded.path
+        self.layout_changed: dict = {}
+        self.saved_train_state = None
+        self.saved_config_flat: dict = {}
+        self.overridden: list[str] = []  # "what: checkpoint -> config"
+        self.inexact_parts: list[str] = []
+        self.notes: list[str] = []
+        self._rank0: dict | None = None
+
+    def config_wins(self, what: str, saved, configured) -> None:
+        self.overridden.append(f"{what}: {saved!r} -> {configured!r}")
+
+    def inexact(self, what: str) -> None:
+        if what not in self.inexact_parts:
+            self.inexact_parts.append(what)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def rank0_state(self, name: str):
+        if self._rank0 is None:
+            path = self.path / "rank00000.pth"
+            self._rank0 = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else {}
+        return self._rank0.get(name)
+
+
+def restore_latest(manager: CheckpointManager, world_size: int, config_flat: dict, logger,
+                   allow_fresh: bool = False) -> RestoreContext | None:
+    """Restore every participant from the newest usable checkpoint.
+
+    Returns None when there is nothing to resume: no checkpoint at all, or
+    none usable and ``allow_fresh``. Checkpoints that exist but none of which
+    can be used are a :class:`CheckpointError` listing each one and why: a
+    silent restart from step 0 would throw the run away."""
+    loaded = manager.load_latest()
+    if loaded is None:
+        if manager.rejected and not allow_fresh:
+            listing = "; ".join(f"{path.name}: {why}" for path, why in manager.rejected)
+            raise CheckpointError(
+                f"resume=True but no checkpoint in {manager.directory} can be used ({listing}). Nothing was "
+                "changed; to start from scratch anyway pass resume='allow_fresh' (the unusable ones are kept)"
+            )
+        what = "holds no usable checkpoint" if manager.rejected else "holds no checkpoint"
+        logger.info(f"resume=True but {manager.directory} {what}: starting a fresh run")
+        return None
+
+    context = RestoreContext(loaded)
+    saved_world = loaded.manifest.get("world_size", world_size)
+    manager.restore(loaded, context, skip_rank_states=saved_world != world_size)
+    if context.layout_changed:
+        what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in context.layout_changed.items())
+        logger.warning(f"Resuming with a different layout ({what}): the run continues from the same sample count, "
+                       f"but {' and '.join(context.inexact_parts) or 'the data order'} can no longer match the "
+                       "uninterrupted run exactly")
+    changes = describe_config_changes(context.saved_config_flat, config_flat)
+    if changes:
+        logger.warning("Config differs from the checkpoint's in: " + "; ".join(changes))
+    if context.overridden:
+        logger.warning("The config wins over the checkpoint for these hyperparameters (the checkpoint keeps "
+                       "weights, optimizer moments and progress): " + "; ".join(context.overridden))
+    for note in context.notes:
+        logger.warning(note[0].upper() + note[1:])
+    return context
+
+
+def flatten_config(cfg, prefix: str = "") -> dict[str, str]:
+    """``{dotted.key: repr(value)}`` — strings only, so it loads with weights_only."""
+    flat = {}
+    items = cfg.items() if isinstance(cfg, dict) else enumerate(cfg)
+    for key, value in items:
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) or (isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value)):
+            flat.update(flatten_config(value, path + "."))
+        else:
+            flat[path] = repr(value)
+    return flat
+
+
+def describe_config_changes(saved: dict[str, str], current: dict[str, str], limit: int = 12) -> list[str]:
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        if key.split(".")[0] not in _RELEVANT or saved.get(key) == current.get(key):
+            continue
+        changes.append(f"{key}: {saved.get(key, '<unset>')} -> {current.get(key, '<unset>')}")
+    if len(changes) > limit:
+        changes = changes[:limit] + [f"... and {len(changes) - limit} more"]
+    return changes

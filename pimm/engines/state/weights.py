@@ -1,0 +1,107 @@
+"""Model weight files: reading them into a model, and writing ``model/*.pth``.
+
+Two reading modes, for two jobs:
+
+* ``strict=True`` (``tools/test.py``): every model tensor must come from the
+  file with its shape; anything missing or mismatched is a
+  :class:`~pimm.utils.errors.CheckpointError` listing them, because scoring a
+  partly loaded model and crediting the score to the file would be a lie.
+* ``strict=False`` (warm start, ``weight=`` in training): copy what matches,
+  report how many tensors loaded and which were skipped, and fail only when
+  nothing matches.
+
+A model file (``model_last.pth``, ``model_best.pth``) is a plain dict that
+loads with ``torch.load(path, weights_only=True)`` without pimm: the weights
+under ``state_dict`` (no ``module.`` prefix), ``epoch``, ``global_step`` and,
+for the best, ``metric`` / ``metric_name``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pimm.engines.state.manager import atomic_torch_save
+from pimm.utils import comm
+from pimm.utils.errors import CheckpointError
+
+__all__ = ["load_weights", "read_weights", "save_model_file"]
+
+
+def read_weights(path: str | Path) -> dict:
+    """The model state dict inside a weight file (a bare state dict, or one under
+    ``state_dict`` / ``model``)."""
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"weight={str(path)!r}: no such file") from None
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise CheckpointError(f"weight={str(path)!r} cannot be read as a torch weight file "
+                              f"({err.__class__.__name__}: {first})") from None
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model"):
+            if isinstance(obj.get(key), dict):
+                return obj[key]
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return obj
+    raise CheckpointError(f"weight={str(path)!r} holds no model weights (expected a state_dict or a dict with "
+                          "'state_dict' or 'model')")
+
+
+def _short(keys: list[str], limit: int = 8) -> str:
+    return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple = (), logger=None,
+                 strict: bool = False) -> dict:
+    """Copy tensors from ``path`` into ``model``; returns a report
+    ``{"loaded", "missing", "unexpected", "mismatched"}``.
+
+    ``key_map`` is a list of ``(old_prefix, new_prefix)`` pairs applied to the
+    file's keys (a ``module.`` prefix is always stripped)."""
+    path = Path(path)
+    renamed = {}
+    for key, tensor in read_weights(path).items():
+        key = key.removeprefix("module.")
+        for old, new in key_map:
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        renamed[key] = tensor
+    own = model.state_dict()
+    mismatched = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in renamed.items()
+                  if k in own and own[k].shape != v.shape]
+    mismatched_keys = {m.split(" ")[0] for m in mismatched}
+    usable = {k: v for k, v in renamed.items() if k in own and k not in mismatched_keys}
+    missing = [k for k in own if k not in usable]
+    unexpected = [k for k in renamed if k not in own]
+    name = type(model).__name__
+    if strict and (missing or mismatched):
+        absent = [k for k in missing if k not in mismatched_keys]
+        parts = ([f"not in the file: {_short(absent)}"] if absent else []) + \
+                ([f"shape mismatch: {_short(mismatched)}"] if mismatched else [])
+        raise CheckpointError(f"weight={str(path)!r} does not fit {name} ({'; '.join(parts)}); "
+                              "evaluate it with the config it was trained with")
+    if not usable:
+        raise CheckpointError(
+            f"weight={str(path)!r} shares no parameter with {name} (file keys look like {list(renamed)[:3]}, "
+            f"model keys like {list(own)[:3]}); set key_map on CheckpointLoader to rename prefixes"
+        )
+    model.load_state_dict(usable, strict=False)
+    if logger is not None and comm.is_main_process():
+        logger.info(f"Loaded {len(usable)}/{len(own)} model tensors from {path}")
+        if missing:
+            logger.warning(f"Kept at initialisation (not loaded): {_short(missing)}")
+        if unexpected:
+            logger.warning(f"In the file but not in the model (ignored): {_short(unexpected)}")
+        if mismatched:
+            logger.warning(f"Shape-mismatched (skipped): {_short(mismatched)}")
+    return {"loaded": len(usable), "missing": missing, "unexpected": unexpected, "mismatched": mismatched}
+
+
+def save_model_file(state_dict: dict, path: str | Path, **fields) -> None:
+    """Write a model file (rank 0 calls it; the state dict was gathered on every rank)."""
+    atomic_torch_save({"state_dict": state_dict, **fields}, path)

@@ -1,0 +1,11 @@
+"""Trainers, one a module. Each is short because the engine's seams carry it:
+:class:`DefaultTrainer` builds everything and runs a supervised step through
+:class:`~pimm.engines.optim_step.OptimStep`; the others override a builder or
+the step."""
+
+from pimm.engines.trainers.default import DefaultTrainer
+from pimm.engines.trainers.image_class import ImageClassTrainer
+from pimm.engines.trainers.inseg import InsegTrainer
+from pimm.engines.trainers.multi_dataset import MultiDatasetTrainer
+
+__all__ = ["DefaultTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer"]

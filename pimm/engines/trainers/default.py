@@ -1,0 +1,538 @@
+"""DefaultTrainer: builds every component from the config and runs a plain
+supervised step::
+
+    batch -> model(batch) under autocast -> output["loss"] -> OptimStep
+
+Each component comes from an overridable ``build_*`` method, and every piece
+of state a checkpoint must hold is registered with :meth:`DefaultTrainer.track`
+where it is built, so a new trainer overrides a builder or :meth:`run_step`,
+tracks what it adds in one line, and never copies the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset, default_collate
+
+from pimm.engines import data as data_lib
+from pimm.engines.control import StopControl
+from pimm.engines.hooks.base import HookBase, build_hooks
+from pimm.engines.hooks.evaluator import EvaluatorBase
+from pimm.engines.metrics import MetricChannel
+from pimm.engines.optim import build_optimizer
+from pimm.engines.optim_step import OptimStep
+from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS, TRAINERS
+from pimm.engines.runtime import validate_runtime
+from pimm.engines.scheduler import build_scheduler
+from pimm.engines.state import CheckpointManager, Retention, load_weights, restore_latest, save_model_file
+from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
+                                             OptimizerParticipant, RNGParticipant, SchedulerParticipant,
+                                             TrainStateParticipant)
+from pimm.engines.state.restore import flatten_config
+from pimm.engines.trainer_base import TrainerBase
+from pimm.engines.writers import MetricsWriter
+from pimm.utils import comm
+from pimm.utils.errors import ConfigError, UserError
+from pimm.utils.files import set_aside
+from pimm.utils.rng import derive_seed, seed_all
+
+__all__ = ["DefaultTrainer"]
+
+
+@TRAINERS.register_module()
+class DefaultTrainer(TrainerBase):
+    """Options (the keys of ``train = dict(type="DefaultTrainer", ...)``):
+
+    collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
+        default: the data set's ``collate_fn`` attribute, else torch's default collate.
+    iters_per_epoch: epoch length for iterable data sets (map-style: derived).
+    find_unused_parameters: passed to DDP.
+    stop_check_every: steps between the cross-rank checks for pre-emption signals
+        and stop requests when distributed (one tiny all-reduce each).
+
+    ``hooks``: the built hooks (the CLI builds them before validating the
+    config, so their ``modify_config`` runs first); None builds them from
+    ``cfg.hooks`` here.
+    """
+
+    def __init__(self, cfg, hooks: list[HookBase] | None = None, mode: str = "train", collate_fn=None,
+                 val_collate_fn=None, iters_per_epoch=None, find_unused_parameters: bool = False,
+                 stop_check_every: int = 10):
+        super().__init__()
+        if mode not in ("train", "test"):
+            raise ConfigError(f"trainer mode must be 'train' or 'test', got {mode!r}")
+        self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
+        if hooks is None:
+            hooks = build_hooks(cfg.hooks)
+            for hook in hooks:
+                hook.modify_config(cfg)
+            validate_runtime(cfg, self.world_size)
+        if isinstance(stop_check_every, bool) or not isinstance(stop_check_every, int) or stop_check_every < 1:
+            raise ConfigError(f"train.stop_check_every={stop_check_every!r} must be a positive integer")
+        self.cfg = cfg
+        self.mode = mode
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        self.save_path = Path(cfg.save_path)
+        self.options = dict(collate_fn=collate_fn, val_collate_fn=val_collate_fn, iters_per_epoch=iters_per_epoch,
+                            find_unused_parameters=find_unused_parameters)
+        self.max_epoch = cfg.epoch
+        self.batch_size_per_rank = cfg.batch_size // self.world_size
+        self.grad_accum_steps = cfg.grad_accum_steps
+        self.checkpointer = CheckpointManager(self.save_path / "checkpoints", logger=self.logger)
+        self.evaluators = [h for h in hooks if isinstance(h, EvaluatorBase)]
+
+        seed_all(derive_seed(cfg.seed, 0))  # identical model init on every rank
+        self.model_without_ddp = self.build_model().to(self.device)
+        self.autocast = self._build_autocast()
+        self.train_loader = None
+        self._val_loader = self._test_loader = None
+        self._data_iter = None
+        self._last_saved_step: int | None = None
+        if mode == "test":
+            self.model = self.model_without_ddp
+            self.register_hooks(hooks)
+            return
+
+        self.track("model", ModelParticipant(self.model_without_ddp))
+        self.model = self.wrap_model(self.model_without_ddp)
+        self._checkpoint_interval = min(
+            [h.checkpoint_interval for h in hooks if getattr(h, "checkpoint_interval", None)] or [0]
+        )
+        self.train_loader = self.build_train_loader()
+        self.iters_per_epoch = self._compute_iters_per_epoch()
+        self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
+        self.optimizer = self.build_optimizer()
+        self.scheduler = self.build_scheduler()
+        self.scaler = self.build_scaler()
+        self.track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
+        self.track("scheduler", SchedulerParticipant(self.scheduler))
+        self.track("scaler", self.scaler)
+        self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                                    clip_grad=cfg.clip_grad, model=self.model,
+                                    track_grad_norm=cfg.log_grad_norm)
+        self.writer = self.build_writer()
+        self.metrics = MetricChannel(sink=self.writer.write)
+        self.control = StopControl(cfg.preempt_signals, check_every=stop_check_every)
+        self.train_state.load_state_dict(dict(
+            world_size=self.world_size, batch_size_per_rank=self.batch_size_per_rank,
+            grad_accum_steps=self.grad_accum_steps, num_workers_per_rank=self.num_workers_per_rank))
+        self.track("train_state", TrainStateParticipant(self.train_state))
+        self.track("metrics", self.metrics)
+        self.track("writer", self.writer)
+        self.track("meta", MetaParticipant(flatten_config(cfg), self.iters_per_epoch * self.max_epoch))
+        self.track("rng", RNGParticipant(), scope="rank")
+        self.track("loader", LoaderParticipant(self), scope="rank")
+        self.track("hooks", HooksParticipant(self), scope="rank")
+        for evaluator in self.evaluators:
+            evaluator.declare_metrics(self.metrics)
+        for hook in hooks:
+            if isinstance(getattr(hook, "retention", None), Retention):
+                self.checkpointer.retention = hook.retention
+        self.register_hooks(hooks)
+        if not hooks:
+            self.logger.warning("hooks = []: nothing will log the training loss, evaluate or save checkpoints "
+                                "(list CheckpointSaver, InformationWriter, ... to get them)")
+        seed_all(derive_seed(cfg.seed, 1, self.rank))  # this rank's training stream
+
+    def track(self, name: str, participant, scope: str = "shared") -> None:
+        """Save ``participant`` (anything with ``state_dict`` / ``load_state_dict``)
+        in every checkpoint and restore it on resume. ``scope="rank"`` for state
+        that differs between ranks."""
+        self.checkpointer.register(name, participant, scope=scope)
+
+    def register_hooks(self, hooks: list[HookBase]) -> None:
+        super().register_hooks(hooks)
+        if hasattr(self, "optim_step"):
+            dispatch = self._dispatch["after_backward"]
+            self.optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
+
+    # -- builders ---------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        model = MODELS.build(self.cfg.model)
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.logger.info(f"Model {type(model).__name__}: {n_params:,} trainable parameters")
+        return model
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the loss is computed through: DDP when distributed."""
+        if self.world_size == 1:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids,
+                                       find_unused_parameters=self.options["find_unused_parameters"])
+
+    @property
+    def num_workers_per_rank(self) -> int:
+        return self.cfg.num_worker // self.world_size
+
+    def _resolve_collate(self, spec, dataset):
+        if spec is None:
+            return getattr(dataset, "collate_fn", None) or default_collate
+        if isinstance(spec, str):
+            return COLLATE_FNS.get(spec)
+        if isinstance(spec, dict):
+            spec = dict(spec)
+            return functools.partial(COLLATE_FNS.get(spec.pop("type")), **spec)
+        if callable(spec):
+            return spec
+        raise ConfigError(f"collate_fn must be a registered name or dict(type=...), got {spec!r}")
+
+    def _build_dataset(self, split: str):
+        data_cfg = self.cfg.get("data") or {}
+        if split not in data_cfg or data_cfg[split] is None:
+            raise ConfigError(f"data.{split} is not set: add data = dict({split}=dict(type=..., ...))")
+        return DATASETS.build(data_cfg[split])
+
+    def build_train_loader(self):
+        return self._make_train_loader(self._build_dataset("train"))
+
+    def _make_train_loader(self, dataset, sampler=None):
+        # Only iterable data sets resume from the loader's own snapshots (see
+        # LoaderParticipant); take them at the checkpoint cadence, not per step.
+        iterable = isinstance(dataset, IterableDataset)
+        interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
+        return data_lib.build_train_loader(
+            dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
+            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
+            collate_fn=self._resolve_collate(self.options["collate_fn"], dataset),
+            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
+        )
+
+    def _build_eval_loader(self, split: str):
+        dataset = self._build_dataset(split)
+        batch_size = self.cfg.batch_size_val or self.cfg.batch_size
+        spec = self.options["val_collate_fn"] or self.options["collate_fn"]
+        return data_lib.build_eval_loader(
+            dataset, batch_size=max(1, batch_size // self.world_size), num_workers=self.num_workers_per_rank,
+            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
+            collate_fn=self._resolve_collate(spec, dataset), pin_memory=self.device.type == "cuda",
+        )
+
+    def build_val_loader(self):
+        return self._build_eval_loader("val")
+
+    def build_test_loader(self):
+        return self._build_eval_loader("test")
+
+    @property
+    def val_loader(self):
+        if self._val_loader is None:
+            self._val_loader = self.build_val_loader()
+        return self._val_loader
+
+    @property
+    def test_loader(self):
+        if self._test_loader is None:
+            self._test_loader = self.build_test_loader()
+        return self._test_loader
+
+    def _compute_iters_per_epoch(self) -> int:
+        dataset = self.train_loader.dataset
+        explicit = self.options["iters_per_epoch"]
+        if explicit is not None:
+            if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0:
+                raise ConfigError(f"train.iters_per_epoch={explicit!r} must be a positive integer")
+            return explicit
+        if isinstance(dataset, IterableDataset):
+            if not hasattr(dataset, "num_samples"):
+                raise ConfigError(
+                    f"{type(dataset).__name__} is an iterable data set: set train.iters_per_epoch "
+                    "or give the data set a num_samples() method"
+                )
+            batches = dataset.num_samples() // self.batch_size_per_rank
+        else:
+            batches = len(self.train_loader)
+        iters = batches // self.grad_accum_steps
+        if iters <= 0:
+            raise ConfigError(
+                f"the training set gives {batches} batch(es) of {self.batch_size_per_rank} per process, fewer than "
+                f"grad_accum_steps={self.grad_accum_steps}: lower batch_size or use more data"
+            )
+        return iters
+
+    def build_optimizer(self):
+        return build_optimizer(self.cfg.optimizer, self.model_without_ddp, self.cfg.get("param_dicts"))
+
+    def build_scheduler(self):
+        spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
+        return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch)
+
+    def _scheduled_group_keys(self) -> tuple[str, ...]:
+        """Group keys the scheduler sets per step (the lr, a cycled momentum)."""
+        owned = getattr(self.scheduler, "_owned_group_keys", None)
+        return ("lr", *({"betas", "momentum"} & set(owned() if owned else ())))
+
+    def build_scaler(self):
+        enabled = self.cfg.enable_amp and self.cfg.amp_dtype == "float16"
+        if enabled and self.device.type != "cuda":
+            raise ConfigError("amp_dtype='float16' needs CUDA; on CPU use amp_dtype='bfloat16' or enable_amp=False")
+        return torch.amp.GradScaler(self.device.type, enabled=enabled)
+
+    def _build_autocast(self):
+        if not self.cfg.enable_amp:
+            return contextlib.nullcontext
+        dtype = getattr(torch, self.cfg.amp_dtype)
+        return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
+
+    def build_writer(self) -> MetricsWriter:
+        cfg = self.cfg
+        return MetricsWriter(
+            self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,
+            wandb_init=dict(project=cfg.wandb_project, name=self.save_path.name, config=_plain(cfg)),
+            logger=self.logger,
+        )
+
+    # -- state: restore, save, model files ---------------------------------
+    def restore(self) -> bool:
+        """``resume``: every participant from the newest usable checkpoint;
+        otherwise ``weight=``: copy matching weights into the model."""
+        cfg = self.cfg
+        if cfg.resume:
+            context = restore_latest(self.checkpointer, self.world_size, flatten_config(cfg), self.logger,
+                                     allow_fresh=cfg.resume == "allow_fresh")
+            if context is not None:
+                state = self.train_state
+                self._last_saved_step = state.global_step
+                self.metrics.step, self.metrics.epoch = state.global_step, state.epoch + 1
+                if comm.is_main_process():
+                    self.checkpointer.apply_retention()  # leftovers follow the current retention policy
+                self.logger.info(
+                    f"Resumed from {context.path.name}: {state.epoch} epoch(s) done, step {state.global_step}"
+                    + (f", {state.iter_in_epoch} step(s) into epoch {state.epoch + 1}" if state.iter_in_epoch else "")
+                )
+                return True
+            self.writer.rewind(0, 0)
+        if cfg.weight:
+            key_map = next((getattr(h, "key_map", ()) for h in self.hooks if getattr(h, "restores_checkpoints", False)),
+                           ())
+            load_weights(self.model_without_ddp, cfg.weight, key_map, self.logger)
+            return True
+        return False
+
+    def save_checkpoint(self) -> None:
+        """Commit a resumable checkpoint of this step and write ``model/model_last.pth``
+        (a collective: every rank calls it at the same step)."""
+        if self._last_saved_step == self.global_step:
+            return
+        self.call_hooks("before_save_checkpoint")
+        self.metrics.flush()  # the writer's offset must cover everything logged up to here
+        best = self.metrics.best
+        self.checkpointer.save(self.global_step, self.train_state.epoch,
+                               extra_manifest={"is_best": best.step is not None and best.step == self.global_step})
+        self.save_model_file("model_last.pth")
+        self._last_saved_step = self.global_step
+
+    def save_model_file(self, name: str, **fields) -> None:
+        """``model/<name>``: plain weights for inference and warm starts (collective-safe:
+        every rank gathers the state dict, rank 0 writes)."""
+        state_dict = self.model_without_ddp.state_dict()
+        if comm.is_main_process():
+            save_model_file(state_dict, self.save_path / "model" / name, epoch=self.train_state.epoch,
+                            global_step=self.global_step, **fields)
+
+    @property
+    def retention(self) -> Retention:
+        return self.checkpointer.retention
+
+    # -- evaluation -------------------------------------------------------
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The model evaluations run on (a hook may hand another, e.g. EMA weights)."""
+        return self.model_without_ddp
+
+    def validate(self, evaluators=None, model: torch.nn.Module | None = None, prefix: str = "val",
+                 kind: str = "scheduled") -> dict:
+        """Evaluate ``model`` (default :attr:`eval_model`) on the validation split with
+        ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
+        dispatch ``before_val`` / ``after_val(metrics)``. ``kind``: scheduled,
+        final, on_demand (metrics only: no best model, no side effects)."""
+        evaluators = self.evaluators if evaluators is None else evaluators
+        self.validation_kind, self.validation_prefix = kind, prefix
+        self.call_hooks("before_val")
+        model = self.eval_model if model is None else model
+        start = time.perf_counter()
+        metrics, reports = {}, []
+        for evaluator in evaluators:
+            raw = evaluator.evaluate(self.val_loader, model)
+            evaluator.last_step = self.global_step
+            metrics.update({f"{prefix}/{k}": v for k, v in raw.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            reports.append(evaluator.report(raw))
+        self.metrics.publish(metrics)
+        self.metrics.flush()
+        summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.logger.info(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s): {summary}")
+        for table in reports:
+            if table:
+                self.logger.info(table)
+        best = self.metrics.best
+        if kind != "on_demand" and best.name in metrics and self.metrics.update_best(best.name, metrics[best.name],
+                                                                                     self.global_step):
+            self.save_model_file("model_best.pth", metric=best.value, metric_name=best.name)
+            self.logger.info(f"New best {best.name}={best.value:.4f}: saved model/model_best.pth")
+        self.call_hooks("after_val", metrics)
+        return metrics
+
+    def finish(self, stopped: bool) -> None:
+        if self.cfg.evaluate and not self.control.preempted:  # a pre-empted job has no time to spare
+            due = [e for e in self.evaluators if getattr(e, "last_step", None) != self.global_step]
+            if due and self.global_step > 0:
+                self.validate(due, kind="final")
+        if stopped:
+            start = time.perf_counter()
+            if self.control.preempted:
+                self.logger.warning(f"Pre-empted by {self.control.describe().removeprefix('pre-empted by ')} at step "
+                                    f"{self.global_step}: saving a checkpoint")
+            else:
+                self.logger.warning(f"Stopping at step {self.global_step} ({self.control.describe()}): saving a "
+                                    "checkpoint")
+                self.train_state.stop_reason = self.control.describe()
+            self.save_checkpoint()
+            then = ("exiting with code 75 (rerun with resume=True to continue)" if self.control.preempted
+                    else "training stopped")
+            self.logger.warning(f"Checkpoint committed in {time.perf_counter() - start:.1f}s; {then}")
+        self.metrics.flush()
+
+    # -- the loop -----------------------------------------------------------
+    _pending_start_sample = 0
+
+    def resume_position(self, samples_in_epoch: int) -> None:
+        """Make the next epoch start skip its first ``samples_in_epoch`` samples (global count)."""
+        self._pending_start_sample = samples_in_epoch
+
+    def start_epoch_data(self) -> None:
+        """Start iterating the current epoch (from a resumed position if one is pending).
+        A loader state restored from a checkpoint is applied by StatefulDataLoader here."""
+        sampler = data_lib.train_sampler(self.train_loader)
+        if sampler is not None:
+            sampler.set_epoch(self.epoch, self._pending_start_sample)
+        self._pending_start_sample = 0
+        self.train_loader.generator.manual_seed(derive_seed(self.cfg.seed, self.rank, self.epoch, 2))
+        self._data_iter = iter(self.train_loader)
+
+    def run_epoch(self) -> bool:
+        self.start_epoch_data()
+        try:
+            return super().run_epoch()
+        finally:
+            self._data_iter = None
+
+    def next_batch(self):
+        """The next training batch, on the device; the time it took is ``time/data``."""
+        start = time.perf_counter()
+        try:
+            batch = next(self._data_iter)
+        except StopIteration:
+            raise UserError(
+                f"the training data ran out after {self.iter} of {self.iters_per_epoch} steps in epoch "
+                f"{self.epoch + 1}; lower train.iters_per_epoch or fix the data set's length"
+            ) from None
+        batch = self._to_device(batch)
+        self._data_time += time.perf_counter() - start
+        return batch
+
+    _data_time = 0.0
+
+    def _to_device(self, batch):
+        if self.device.type == "cpu":
+            return batch
+        if isinstance(batch, dict):
+            return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()}
+        return batch.to(self.device, non_blocking=True)
+
+    def forward(self, batch) -> dict:
+        """The model's training forward pass (under autocast when AMP is on)."""
+        with self.autocast():
+            output = self.model(batch)
+        if not isinstance(output, dict) or not isinstance(output.get("loss"), torch.Tensor):
+            raise UserError(f"model {type(self.model_without_ddp).__name__} returned no 'loss' in training mode; "
+                            "its forward must return a dict with a scalar 'loss'")
+        return output
+
+    def run_step(self) -> None:
+        info = self.comm_info
+        # Drop the previous step's batch and outputs before this forward pass,
+        # so their memory is reused instead of held through another step.
+        info["input_dict"] = info["model_output_dict"] = None
+        self._data_time = 0.0
+        accum = self.grad_accum_steps
+        optim_step = self.optim_step
+        step_loss = None
+        for micro in range(accum):
+            batch = self.next_batch()
+            with optim_step.sync(last=micro == accum - 1):
+                output = self.forward(batch)
+                loss = output["loss"] / accum if accum > 1 else output["loss"]
+                optim_step.backward(loss)
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        result = optim_step.step()
+        info["input_dict"], info["model_output_dict"] = batch, output
+        self.publish_step(step_loss, result, output)
+
+    def publish_step(self, loss: torch.Tensor, result, output: dict | None = None) -> None:
+        """This step's scalars: ``train/loss``, ``train/lr`` (the rate the step used),
+        ``train/grad_norm`` when computed, and the model's other scalar outputs."""
+        scalars = {"train/loss": loss, "train/lr": result.lr}
+        if result.grad_norm is not None:
+            scalars["train/grad_norm"] = result.grad_norm
+        if output:
+            for key, value in output.items():
+                if key != "loss" and isinstance(value, torch.Tensor) and value.ndim == 0:
+                    scalars["train/" + key] = value.detach()
+        self.metrics.publish(scalars, dense=True, step=self.train_state.global_step + 1)
+        self.metrics.put("time/data", self._data_time, log=False)
+
+    # -- test -----------------------------------------------------------------
+    def test(self) -> dict:
+        """Evaluate ``weight=`` on the test split with every evaluator hook (the
+        weights must fit the model exactly); write ``save_path/test_metrics.json``."""
+        if not self.evaluators:
+            raise ConfigError("tools/test.py needs an evaluator in hooks, e.g. dict(type='ClsEvaluator')")
+        load_weights(self.model_without_ddp, self.cfg.weight, logger=self.logger, strict=True)
+        results = {}
+        for evaluator in self.evaluators:
+            metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
+            results[type(evaluator).__name__] = metrics
+            summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+            self.logger.info(f"Test {type(evaluator).__name__}: {summary}")
+            table = evaluator.report(metrics)
+            if table:
+                self.logger.info(table)
+        if comm.is_main_process():
+            path = self.save_path / "test_metrics.json"
+            set_aside(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"weight": str(self.cfg.weight), "metrics": results}, indent=1))
+            self.logger.info(f"Wrote {path}")
+        return results
+
+    def close(self) -> None:
+        try:
+            if getattr(self, "writer", None) is not None:
+                if self.outcome == "failed" and comm.get_world_size() > 1:
+                    self.metrics.discard()  # flushing is a collective other ranks may never join
+                else:
+                    try:
+                        self.metrics.flush()
+                    except Exception:  # noqa: BLE001  (a failure already on its way out must not be masked)
+                        self.metrics.discard()
+                self.writer.close()
+        finally:
+            self._data_iter = None
+            for loader in (self.train_loader, self._val_loader, self._test_loader):
+                if loader is not None:
+                    data_lib.shutdown_loader(loader)
+
+
+def _plain(cfg) -> dict:
+    to_dict = getattr(cfg, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(cfg)
