@@ -1,6 +1,6 @@
-# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py
-# (python -m pimm.engines.runtime > configs/_base_/default_runtime.py); a config without
-# _base_ gets the same values from the engine. Edit the table there, not this file.
+# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py by
+# tools/write_default_runtime.py; a config without _base_ gets the same values from the
+# engine. Edit the table there, not this file.
 
 save_path = 'exp/default'  # the run directory (~ is expanded)
 seed = 0  # every RNG stream derives from it; None draws one and records it in config.py

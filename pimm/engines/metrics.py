@@ -188,9 +188,9 @@ class MetricChannel:
                 record[tag] = value
             records.append(record)
             kinds.append((dense, reduce))
-        self._check_finite(records)
         if self.sink is not None:
-            self.sink(records, kinds)
+            self.sink(records, kinds)  # written first (as null): the log shows where it went wrong
+        self._check_finite(records)
         return records
 
     def discard(self) -> None:

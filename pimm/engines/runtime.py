@@ -4,8 +4,8 @@ Every config is read as: these defaults, then its ``_base_`` files, then the
 file itself, then ``--options``, then each hook's ``modify_config``; only then
 is it validated (:func:`validate_runtime`) and built. So a config without any
 ``_base_`` works, and ``configs/_base_/default_runtime.py`` is generated from
-this table (``python -m pimm.engines.runtime > configs/_base_/default_runtime.py``;
-a test keeps the two equal).
+this table (``python tools/write_default_runtime.py``; a test keeps the two
+equal).
 
 A runtime key's value of the wrong type is bad input (exit 2 naming the key
 and what it takes): ``resume="no"`` is a string, not False, and must never be
@@ -216,9 +216,9 @@ def check_required(cfg, mode: str) -> None:
 def render_default_runtime() -> str:
     """The text of ``configs/_base_/default_runtime.py``."""
     lines = [
-        "# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py",
-        "# (python -m pimm.engines.runtime > configs/_base_/default_runtime.py); a config without",
-        "# _base_ gets the same values from the engine. Edit the table there, not this file.",
+        "# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py by",
+        "# tools/write_default_runtime.py; a config without _base_ gets the same values from the",
+        "# engine. Edit the table there, not this file.",
         "",
     ]
     for key in RUNTIME_KEYS:
@@ -233,7 +233,3 @@ def render_default_runtime() -> str:
 
 def _call_repr(entry: dict) -> str:
     return "dict(" + ", ".join(f"{k}={v!r}" for k, v in entry.items()) + ")"
-
-
-if __name__ == "__main__":
-    print(render_default_runtime(), end="")

@@ -112,7 +112,10 @@ class TrainerBase:
         """Run training to ``max_epoch`` or until a stop (see the module docstring)."""
         try:
             self.control.install()
-            if self.restore():
+            restored = self.restore()
+            self.epoch = self.train_state.epoch
+            self.metrics.step, self.metrics.epoch = self.train_state.global_step, self.train_state.epoch + 1
+            if restored:
                 self.call_hooks("after_load_checkpoint")
             self.call_hooks("before_train")
             if self.train_state.epoch >= self.max_epoch:

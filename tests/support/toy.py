@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pimm.engines import DATASETS, HOOKS, MODELS, HookBase
+from pimm.engines import DATASETS, HOOKS, MODELS, TRAINERS, DefaultTrainer, HookBase
+from pimm.utils import comm
 
 
 @DATASETS.register_module(force=True)
@@ -133,3 +134,129 @@ class ToySizedStream(ToyStream):
 
     def num_samples(self):
         return self.length
+
+
+@HOOKS.register_module(force=True)
+class PhaseRecorder(HookBase):
+    """Records every phase it sees, with the step, into a class-level list."""
+
+    events = []
+
+    def __init__(self, priority_probe=False):
+        self.priority_probe = priority_probe
+
+    def _add(self, phase, *extra):
+        self.events.append((phase, self.trainer.global_step, *extra))
+
+    def before_train(self):
+        self._add("before_train")
+
+    def after_backward(self):
+        grads = [p.grad for p in self.trainer.model_without_ddp.parameters()]
+        self._add("after_backward", all(g is not None for g in grads))
+
+    def before_val(self):
+        self._add("before_val", self.trainer.validation_prefix)
+
+    def after_val(self, metrics):
+        self._add("after_val", tuple(sorted(metrics)))
+
+    def before_save_checkpoint(self):
+        self._add("before_save_checkpoint")
+
+    def after_load_checkpoint(self):
+        self._add("after_load_checkpoint")
+
+    def on_exception(self, exc):
+        self._add("on_exception", type(exc).__name__)
+
+    def after_train(self):
+        self._add("after_train", self.trainer.outcome)
+
+
+@HOOKS.register_module(force=True)
+class StopAtStep(HookBase):
+    """Asks the trainer to stop after ``step`` (a clean, requested stop)."""
+
+    def __init__(self, step, agreed=True):
+        self.step, self.agreed = step, agreed
+
+    def after_step(self):
+        if self.trainer.global_step == self.step:
+            self.trainer.request_stop(f"StopAtStep({self.step})", agreed=self.agreed)
+
+
+@HOOKS.register_module(force=True)
+class RaiseAtStep(HookBase):
+    def __init__(self, step):
+        self.step = step
+
+    def after_step(self):
+        if self.trainer.global_step == self.step:
+            raise RuntimeError(f"boom at step {self.step}")
+
+
+@HOOKS.register_module(force=True)
+class GradNormHook(HookBase):
+    """The grad-norm hook of docs/engine.md: gradients are present in after_backward."""
+
+    def after_backward(self):
+        grads = [p.grad for p in self.trainer.model_without_ddp.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        self.trainer.metrics.publish({"train/grad_norm_hook": norm}, dense=True, step=self.trainer.global_step + 1)
+
+
+@HOOKS.register_module(force=True)
+class NaNAtStep(HookBase):
+    """Poisons the model's weights after ``step``: the next losses are NaN."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def after_step(self):
+        if self.trainer.global_step == self.step:
+            with torch.no_grad():
+                for p in self.trainer.model_without_ddp.parameters():
+                    p.fill_(float("nan"))
+
+
+class StepCounter:
+    """A participant a trainer adds in one line; it notes on which ranks
+    ``state_dict`` was called (every rank must call it: gathering can be a collective)."""
+
+    def __init__(self, probe_dir=None):
+        self.value, self.probe_dir = 0, probe_dir
+
+    def state_dict(self):
+        if self.probe_dir:
+            import os
+
+            with open(os.path.join(self.probe_dir, f"state_dict_calls.rank{comm.get_rank()}"), "a") as fh:
+                fh.write(f"{self.value}\n")
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+@TRAINERS.register_module(force=True)
+class TrackingTrainer(DefaultTrainer):
+    def __init__(self, cfg, probe_dir=None, **options):
+        super().__init__(cfg, **options)
+        self.counter = StepCounter(probe_dir)
+        self.track("counter", self.counter)
+
+    def run_step(self):
+        super().run_step()
+        self.counter.value += 1
+
+
+@HOOKS.register_module(force=True)
+class RankValues(HookBase):
+    """Publishes rank-dependent scalars with every reduce op (rank r publishes r + 1)."""
+
+    def after_step(self):
+        value = torch.tensor(float(comm.get_rank() + 1))
+        ops = {"probe/mean": "mean", "probe/sum": "sum", "probe/min": "min", "probe/max": "max",
+               "probe/last": "last"}
+        self.trainer.metrics.publish({name: value for name in ops}, reduce=ops)

@@ -301,7 +301,10 @@ class DefaultTrainer(TrainerBase):
             if context is not None:
                 state = self.train_state
                 self._last_saved_step = state.global_step
-                self.metrics.step, self.metrics.epoch = state.global_step, state.epoch + 1
+                if state.stop_reason:
+                    self.logger.info(f"This run had stopped early at step {state.global_step} ({state.stop_reason}); "
+                                     "resuming continues it")
+                    state.stop_reason = None
                 if comm.is_main_process():
                     self.checkpointer.apply_retention()  # leftovers follow the current retention policy
                 self.logger.info(
