@@ -12,7 +12,7 @@ import difflib
 import re
 from typing import Any, Iterable
 
-from .config import ConfigDict, _convert
+from .config_dict import ConfigDict, to_config_value
 from .errors import ConfigError
 
 __all__ = ["apply_option", "parse_options", "parse_value"]
@@ -126,7 +126,7 @@ def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> None:
                     elif isinstance(node, tuple):
                         raise ConfigError(f"--options {key}: '{path}' is a tuple; set it whole, e.g. {path}=(1, 2)")
                     else:
-                        node[index] = _convert(copy.deepcopy(value))
+                        node[index] = to_config_value(copy.deepcopy(value))
             else:
                 raise ConfigError(
                     f"--options {key}: '{path}' is {node!r} ({type(node).__name__}), not a dict or list"
