@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from .config_dict import ConfigDict
 from .config_dump import _CONFIG_MODULE, _to_source
 # The option helpers stay importable from here (``from pimm.utils.config import parse_options``).
-from .config_options import apply_option, parse_options, parse_value  # noqa: F401
+from .config_options import apply_option, merge_options, parse_options, parse_value  # noqa: F401
 from .errors import ConfigError
 
 __all__ = ["Config", "ConfigDict", "ConfigError"]
@@ -64,8 +64,7 @@ class Config(ConfigDict):
     def merge_from_options(self, tokens: Iterable[str] | None) -> None:
         """Apply ``--options`` tokens (``key=value``, ``+key=value``) in order.
         All tokens are parsed before any is applied."""
-        for key, value, is_new in parse_options(tokens):
-            apply_option(self, key, value, is_new)
+        merge_options(self, tokens)
 
     @property
     def pretty_text(self) -> str:
