@@ -309,3 +309,18 @@ def test_public_import_paths_share_one_registry_per_kind():
     for name in ("CheckpointSaver", "CheckpointLoader", "InformationWriter", "IterationTimer", "ProgressBar"):
         assert name in registries.HOOKS
     assert "DefaultTrainer" in registries.TRAINERS
+
+
+def test_misspelt_parameter_in_a_config_file_is_one_line_at_build_time(tmp_path):
+    import pimm.models  # noqa: F401  (registers RingCNN)
+    from pimm.engines.registries import MODELS
+    from pimm.utils.config import Config
+
+    path = tmp_path / "cfg.py"
+    path.write_text("model = dict(type='RingCNN', widht=8, num_classes=2)\n")
+    with pytest.raises(RegistryError) as info:
+        MODELS.build(Config.fromfile(path).model)
+    message = str(info.value)
+    assert message.startswith("model RingCNN: unknown parameter 'widht' (did you mean 'width'?); "
+                              "RingCNN takes: in_channels, num_classes, width, depth,")
+    assert "\n" not in message

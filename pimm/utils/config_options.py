@@ -189,4 +189,10 @@ def merge_options(cfg: dict, tokens: Iterable[str] | None) -> None:
             if not is_new:
                 changed.append((key, path.rpartition(".")[0] if path.endswith(".type") else path))
     for key, within in changed:
-        check_registry_dicts(cfg, within, context=f"--options {key}: ")
+        try:
+            check_registry_dicts(cfg, within, context=f"--options {key}: ")
+        except ConfigError as err:
+            if key.endswith(".type") and not isinstance(err, RegistryError):
+                # Keys of the old type stay when only ``type`` changes.
+                err.args = (f"{err}; to switch type, give the whole dict: {within}=\"{{'type': ..., ...}}\"",)
+            raise

@@ -90,6 +90,7 @@ class Resolved:
 
     def nearest(self, key: str, present: Any = ()) -> str | None:
         among = [*self.params.names, *(k for k in present if isinstance(k, str) and k != "type")]
+        among = [k for k in among if k != key and k not in self.filled]
         close = difflib.get_close_matches(key, list(dict.fromkeys(among)), n=1, cutoff=0.6)
         return close[0] if close else None
 
