@@ -380,3 +380,14 @@ def test_dump_rejects_classes_defined_in_config_files(tmp_path):
 def test_pretty_text_is_python_source():
     cfg = Config({"model": {"type": "Net", "depth": 3}, "lr": 0.1})
     assert cfg.pretty_text == "model = dict(type='Net', depth=3)\nlr = 0.1\n"
+
+
+def test_option_helpers_do_not_import_the_loader():
+    # Imports point one way: config -> config_options -> config_dict. A cycle
+    # (config_options importing config) would make the first import order matter.
+    code = ("import sys, pimm.utils.config_options; "
+            "assert 'pimm.utils.config' not in sys.modules, 'config_options imports config'; "
+            "from pimm.utils.config import Config, ConfigDict, ConfigError, apply_option, parse_options, parse_value; "
+            "from pimm.utils.config_dict import ConfigDict as D; assert D is ConfigDict")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -1,9 +1,23 @@
-"""``--options`` overrides: grammar, value parsing, key paths and errors."""
+"""``--options`` overrides: grammar, value parsing, key paths and errors,
+and parameters of registry-built dicts as defined keys (with the real registries)."""
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from pimm.utils.config import Config, ConfigDict, parse_options, parse_value
-from pimm.utils.errors import ConfigError
+import pimm.cli  # noqa: F401  (the real registries, filled, as tools/train.py has them)
+from pimm.utils.config import Config, ConfigDict
+from pimm.utils.config_options import parse_options, parse_value
+from pimm.utils.config_slots import check_registry_dicts, slot_registry
+from pimm.utils.errors import ConfigError, RegistryError
+from pimm.utils.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+RINGS = ROOT / "configs" / "rings" / "cls-cnn.py"
 
 
 def make_cfg() -> Config:
@@ -89,9 +103,9 @@ def test_later_options_override_earlier_ones():
 
 def test_list_indices():
     cfg = make_cfg()
-    cfg.merge_from_options(["hooks.1.save_freq=50", "hooks.-1.save_freq=7", "hooks.2={'type': 'Other'}"])
+    cfg.merge_from_options(["hooks.1.save_freq=50", "hooks.-1.save_freq=7", "hooks.2={'type': 'ProgressBar'}"])
     assert [h.get("save_freq") for h in cfg.hooks] == [None, 50, None, 7]
-    assert isinstance(cfg.hooks[2], ConfigDict) and cfg.hooks[2].type == "Other"
+    assert isinstance(cfg.hooks[2], ConfigDict) and cfg.hooks[2].type == "ProgressBar"
 
 
 def test_hook_type_key_sets_every_hook_of_that_type_only():
@@ -141,7 +155,8 @@ def test_unknown_key_suggests_nearest_existing_key():
     assert str(info.value) == (
         "unknown config key 'optimzer.lr' (did you mean 'optimizer.lr'?); write +optimzer.lr=... to add a new key"
     )
-    with pytest.raises(ConfigError, match="did you mean 'hooks.CheckpointSaver.save_freq'"):
+    with pytest.raises(ConfigError, match="hook CheckpointSaver has no parameter 'save_frq' "
+                                          "\\(did you mean 'hooks.CheckpointSaver.save_freq'\\?\\)"):
         cfg.merge_from_options(["hooks.CheckpointSaver.save_frq=2"])
     with pytest.raises(ConfigError, match="did you mean 'model.backbone.depth'"):
         cfg.merge_from_options(["model.backbone.dept=2"])
@@ -181,3 +196,215 @@ def test_options_survive_dump_round_trip(tmp_path):
     cfg.merge_from_options(["hooks.CheckpointSaver.save_freq=50", "+extra=(1, 'a')"])
     cfg.dump(tmp_path / "config.py")
     assert Config.fromfile(tmp_path / "config.py") == cfg
+
+
+# ----------------------------------------------------------------------------- registry-built dicts
+
+
+def rings() -> Config:
+    return Config.fromfile(RINGS)
+
+
+def saver(cfg):
+    return next(h for h in cfg.hooks if h.type == "CheckpointSaver")
+
+
+def test_hook_parameter_missing_from_the_config_is_a_defined_key():
+    cfg = rings()
+    assert "save_freq" not in saver(cfg) and "save_every_seconds" not in saver(cfg)
+    cfg.merge_from_options(["hooks.CheckpointSaver.save_freq=50", "hooks.CheckpointSaver.save_every_seconds=60.0",
+                            "hooks.CheckpointSaver.priority=90", "hooks.0.key_map=[['a', 'b']]"])
+    assert saver(cfg).save_freq == 50 and saver(cfg).save_every_seconds == 60.0 and saver(cfg).priority == 90
+    assert cfg.hooks[0] == {"type": "CheckpointLoader", "key_map": [["a", "b"]]}
+    assert all("save_freq" not in h for h in cfg.hooks if h.type != "CheckpointSaver")
+
+
+def test_misspelt_hook_parameter_names_the_nearest_real_one():
+    cfg = rings()
+    with pytest.raises(ConfigError) as info:
+        cfg.merge_from_options(["hooks.CheckpointSaver.save_frequency=50"])
+    assert str(info.value) == ("--options hooks.CheckpointSaver.save_frequency: hook CheckpointSaver has no "
+                               "parameter 'save_frequency' (did you mean 'hooks.CheckpointSaver.save_freq'?)")
+    with pytest.raises(ConfigError, match="no parameter 'zzz' \\(it takes: save_freq, save_every_seconds, keep_last, "
+                                          "time_check_every, priority\\)"):
+        cfg.merge_from_options(["hooks.-1.zzz=1"])
+    assert cfg == rings()
+
+
+@pytest.mark.parametrize("option, path, value", [
+    ("model.dropout=0.2", ("model", "dropout"), 0.2),
+    ("optimizer.amsgrad=True", ("optimizer", "amsgrad"), True),
+    ("scheduler.anneal_strategy=linear", ("scheduler", "anneal_strategy"), "linear"),
+    ("data.train.seed=7", ("data", "train", "seed"), 7),
+    ("data.val.with_time=False", ("data", "val", "with_time"), False),
+    ("train.find_unused_parameters=True", ("train", "find_unused_parameters"), True),
+])
+def test_constructor_parameters_of_model_optimizer_data_and_trainer_are_defined(option, path, value):
+    cfg = rings()
+    node = cfg
+    for key in path[:-1]:
+        node = node[key]
+    assert path[-1] not in node
+    cfg.merge_from_options([option])
+    assert node[path[-1]] == value
+
+
+@pytest.mark.parametrize("option, message", [
+    ("model.widht=8", "--options model.widht: model RingCNN has no parameter 'widht' (did you mean 'model.width'?)"),
+    ("optimizer.weight_decy=0", "--options optimizer.weight_decy: optimizer AdamW has no parameter 'weight_decy' "
+                                "(did you mean 'optimizer.weight_decay'?)"),
+    ("data.train.sede=1", "--options data.train.sede: dataset CherenkovRingDataset has no parameter 'sede' "
+                          "(did you mean 'data.train.seed'?)"),
+    ("optimizer.params=[]", "--options optimizer.params: 'params' of optimizer AdamW is filled in by the engine; "
+                            "it is not a config key"),
+    ("scheduler.total_steps=10", "--options scheduler.total_steps: 'total_steps' of scheduler OneCycleLR is filled "
+                                 "in by the engine; it is not a config key"),
+    ("train.cfg=1", "--options train.cfg: 'cfg' of trainer ImageClassTrainer is filled in by the engine; "
+                    "it is not a config key"),
+])
+def test_misspelt_or_engine_filled_parameters_are_refused(option, message):
+    with pytest.raises(ConfigError) as info:
+        rings().merge_from_options([option])
+    assert str(info.value) == message
+
+
+def test_plus_still_forces_a_key_into_a_registry_dict():
+    cfg = rings()
+    cfg.merge_from_options(["+model.widht=8", "+hooks.CheckpointSaver.note=x"])
+    assert cfg.model.widht == 8 and saver(cfg).note == "x"
+
+
+def test_missing_dict_on_the_way_is_not_created_without_plus():
+    with pytest.raises(ConfigError, match="unknown config key 'model.backbone.depth' .*; write \\+model.backbone.depth"):
+        rings().merge_from_options(["model.backbone.depth=3"])
+
+
+def test_constructor_taking_kwargs_accepts_any_key():
+    cfg = rings()
+    cfg.merge_from_options(["train.type=InsegTrainer", "train.anything_goes=1"])  # InsegTrainer(cfg, ..., **options)
+    assert cfg.train == {"type": "InsegTrainer", "anything_goes": 1}
+
+
+def test_type_change_validates_later_keys_against_the_new_type():
+    cfg = rings()
+    cfg.merge_from_options(["optimizer.type=SGD", "optimizer.momentum=0.9", "optimizer.nesterov=True"])
+    assert cfg.optimizer == {"type": "SGD", "lr": 3e-3, "weight_decay": 0.01, "momentum": 0.9, "nesterov": True}
+    rings().merge_from_options(["optimizer.amsgrad=True"])  # an AdamW parameter ...
+    with pytest.raises(ConfigError, match="optimizer SGD has no parameter 'amsgrad'"):
+        rings().merge_from_options(["optimizer.type=SGD", "optimizer.amsgrad=True"])  # ... not an SGD one
+
+
+def test_type_change_refuses_keys_the_new_type_does_not_take():
+    cfg = rings()
+    cfg.merge_from_options(["+optimizer.betas=(0.9, 0.99)"])
+    with pytest.raises(ConfigError) as info:
+        cfg.merge_from_options(["optimizer.type=SGD"])
+    message = str(info.value)
+    assert message.startswith("--options optimizer.type: optimizer.betas: optimizer SGD has no parameter "
+                              "'betas' (it takes: lr, momentum, dampening, weight_decay, nesterov")
+    assert message.endswith("; to switch type, give the whole dict: optimizer=\"{'type': ..., ...}\"")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["model.type=RingCN"], "--options model.type: unknown model type 'RingCN'; did you mean 'RingCNN'?"),
+    (["hooks=[{'type': 'ProgresBar'}]"], "--options hooks: hooks.0: unknown hook type 'ProgresBar'; "
+                                         "did you mean 'ProgressBar'?"),
+])
+def test_unknown_type_set_by_an_option_names_the_closest_registered(options, message):
+    with pytest.raises(RegistryError) as info:
+        rings().merge_from_options(options)
+    assert str(info.value).startswith(message)
+
+
+def test_unknown_type_in_the_config_names_the_closest_when_a_parameter_is_set():
+    cfg = rings()
+    cfg.model.type = "RingCN"
+    cfg.merge_from_options(["model.width=4"])  # listed in the config: no need to know the type
+    with pytest.raises(RegistryError, match="^--options model.dropout: unknown model type 'RingCN'; "
+                                            "did you mean 'RingCNN'\\?"):
+        cfg.merge_from_options(["model.dropout=0.1"])
+
+
+def test_dict_outside_the_known_slots_is_looked_up_in_every_registry():
+    kind = Registry("gadget-options-test")
+
+    @kind.register_module()
+    class Gadget:
+        def __init__(self, size=1, colour="red"):
+            pass
+
+    cfg = Config({"extra": {"type": "Gadget"}, "other": {"type": "NotRegisteredAnywhere"}})
+    cfg.merge_from_options(["extra.colour=blue"])
+    assert cfg.extra.colour == "blue"
+    with pytest.raises(ConfigError, match="gadget-options-test Gadget has no parameter 'colur' "
+                                          "\\(did you mean 'extra.colour'\\?\\)"):
+        cfg.merge_from_options(["extra.colur=blue"])
+    with pytest.raises(ConfigError, match="^unknown config key 'other.size'"):  # plain data: key must exist
+        cfg.merge_from_options(["other.size=2"])
+    del kind, Gadget
+    gc.collect()
+
+
+def test_name_in_several_registries_accepts_the_parameters_of_either():
+    first, second = Registry("options-test-a"), Registry("options-test-b")
+    first.register_module("Twin", module=type("TwinA", (), {"__init__": lambda self, alpha=1: None}))
+    second.register_module("Twin", module=type("TwinB", (), {"__init__": lambda self, beta=1: None}))
+    cfg = Config({"thing": {"type": "Twin"}})
+    cfg.merge_from_options(["thing.alpha=2", "thing.beta=3"])
+    assert cfg.thing == {"type": "Twin", "alpha": 2, "beta": 3}
+    with pytest.raises(ConfigError, match="options-test-a/options-test-b Twin has no parameter 'gamma'"):
+        cfg.merge_from_options(["thing.gamma=1"])
+
+
+@pytest.mark.parametrize("path, registry", [
+    ("train", "trainer"), ("hooks.3", "hook"), ("model", "model"), ("optimizer", "optimizer"),
+    ("scheduler", "scheduler"), ("data.train", "dataset"), ("data.train.1", "dataset"),
+    ("data.val.transform.0", "transform"), ("data.train.1.transform", "transform"),
+    ("train.collate_fn", "collate function"),
+    ("model.backbone", None), ("hooks.x", None), ("data", None),
+])
+def test_slot_of_a_path(path, registry):
+    assert slot_registry(path) == registry
+
+
+def test_whole_config_check_names_the_path_of_a_misspelt_parameter(tmp_path):
+    for shipped in sorted((ROOT / "configs").rglob("*.py")):
+        check_registry_dicts(Config.fromfile(shipped))  # every shipped config passes
+    bad = tmp_path / "bad.py"
+    bad.write_text(f"_base_ = {str(RINGS)!r}\ndata = dict(val=dict(num_event=10))\n")
+    with pytest.raises(ConfigError) as info:
+        check_registry_dicts(Config.fromfile(bad))
+    assert str(info.value) == ("data.val.num_event: dataset CherenkovRingDataset has no parameter 'num_event' "
+                               "(did you mean 'data.val.num_events'?)")
+
+
+# ----------------------------------------------------------------------------- through the real command line
+
+
+def _train(tmp_path, *options):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env.pop("PIMM_DEBUG", None)
+    cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(RINGS), "--options",
+           f"save_path={tmp_path / 'run'}", *options]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def test_cli_misspelt_hook_parameter_exits_2_naming_the_nearest(tmp_path):
+    proc = _train(tmp_path, "hooks.CheckpointSaver.save_frq=50")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --options hooks.CheckpointSaver.save_frq: hook CheckpointSaver has no parameter 'save_frq' "
+        "(did you mean 'hooks.CheckpointSaver.save_freq'?)"]
+
+
+@pytest.mark.slow
+def test_cli_hook_parameter_not_in_the_config_takes_effect(tmp_path):
+    # 64 events / batch 32 = 2 steps in one epoch: without save_freq only the
+    # epoch-end checkpoint (step 2) is written; save_freq=1 adds step 1.
+    proc = _train(tmp_path, "epoch=1", "batch_size=32", "batch_size_val=32", "data.train.num_events=64",
+                  "data.val.num_events=32", "hooks.CheckpointSaver.save_freq=1", "hooks.CheckpointSaver.keep_last=4")
+    assert proc.returncode == 0, proc.stderr
+    steps = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert steps == ["step000000001", "step000000002"]
+    written = Config.fromfile(tmp_path / "run" / "config.py")
+    assert saver(written).save_freq == 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pimm.utils.errors import ConfigError, RegistryError, UserError
-from pimm.utils.registry import BuildError, Registry, build_from_cfg
+from pimm.utils.registry import BuildError, Parameters, Registry, build_from_cfg, parameters_of, registries
 
 
 @pytest.fixture
@@ -161,14 +161,80 @@ def test_malformed_build_config(reg, cfg, fragment):
         reg.build(cfg)
 
 
-def test_wrong_constructor_argument_names_registry_type_and_args(reg):
+def test_misspelt_parameter_names_the_nearest_real_one(reg):
     reg.register_module(module=Motor)
     with pytest.raises(RegistryError) as info:
-        reg.build(dict(type="Motor", power=2, torque=9))
-    message = str(info.value)
-    assert message.startswith("widget Motor(")
-    assert "torque=9" in message and "power=2" in message  # the arguments that were given
-    assert "unexpected keyword argument 'torque'" in message  # and which one is wrong
+        reg.build(dict(type="Motor", power=2, voltge=9))
+    assert str(info.value) == (
+        "widget Motor: unknown parameter 'voltge' (did you mean 'voltage'?); Motor takes: power, voltage, label"
+    )
+    with pytest.raises(RegistryError, match=r"unknown parameters 'torque', 'lable' \(did you mean 'label'\?\)"):
+        reg.build(dict(type="Motor", power=2, torque=9, lable="x"))
+
+
+def test_unknown_parameter_is_refused_before_the_constructor_runs(reg):
+    calls = []
+
+    @reg.register_module()
+    class Counted:
+        def __init__(self, n=1):
+            calls.append(n)
+
+    with pytest.raises(RegistryError, match="unknown parameter 'm'"):
+        reg.build(dict(type="Counted", m=2))
+    assert calls == []
+
+
+def test_constructor_with_kwargs_accepts_any_key(reg):
+    @reg.register_module()
+    class Open:
+        def __init__(self, a=1, **rest):
+            self.a, self.rest = a, rest
+
+    built = reg.build(dict(type="Open", a=2, anything=3))
+    assert built.a == 2 and built.rest == {"anything": 3}
+
+
+def test_key_rejected_by_parent_through_kwargs_names_nearest_parent_parameter(reg):
+    class Base:
+        def __init__(self, cfg, find_unused_parameters=False, preempt_check_every=10):
+            pass
+
+    @reg.register_module()
+    class Child(Base):
+        def __init__(self, cfg, ratios=None, **options):
+            super().__init__(cfg, **options)
+
+    with pytest.raises(RegistryError) as info:  # a config error (exit 2), not a BuildError
+        reg.build(dict(type="Child", ratio=[1]), default_args=dict(cfg=None))
+    assert str(info.value) == (
+        "widget Child: unknown parameter 'ratio' (did you mean 'ratios'?); "
+        "Child takes: cfg, ratios, find_unused_parameters, preempt_check_every"
+    )
+
+
+def test_parameters_of_reads_keyword_parameters_only():
+    def fn(a, /, b, *args, c=1, **kw):
+        pass
+
+    def closed(x, y=2):
+        pass
+
+    assert parameters_of(fn) == Parameters(("b", "c"), True)
+    assert parameters_of(closed) == Parameters(("x", "y"), False)
+    assert parameters_of(Motor).names == ("power", "voltage", "label")  # no self
+    assert parameters_of(Motor).nearest("powr") == "power" and parameters_of(Motor).nearest("zzz") is None
+
+
+def test_every_live_registry_is_indexed_by_name():
+    import gc
+
+    first, second = Registry("gizmo-index-test"), Registry("gizmo-index-test")
+    assert registries("gizmo-index-test") == [first, second]
+    assert first in registries()
+    del first
+    gc.collect()
+    assert registries("gizmo-index-test") == [second]  # a dropped registry is forgotten
 
 
 def test_missing_required_argument_is_a_registry_error(reg):
@@ -243,3 +309,18 @@ def test_public_import_paths_share_one_registry_per_kind():
     for name in ("CheckpointSaver", "CheckpointLoader", "InformationWriter", "IterationTimer", "ProgressBar"):
         assert name in registries.HOOKS
     assert "DefaultTrainer" in registries.TRAINERS
+
+
+def test_misspelt_parameter_in_a_config_file_is_one_line_at_build_time(tmp_path):
+    import pimm.models  # noqa: F401  (registers RingCNN)
+    from pimm.engines.registries import MODELS
+    from pimm.utils.config import Config
+
+    path = tmp_path / "cfg.py"
+    path.write_text("model = dict(type='RingCNN', widht=8, num_classes=2)\n")
+    with pytest.raises(RegistryError) as info:
+        MODELS.build(Config.fromfile(path).model)
+    message = str(info.value)
+    assert message.startswith("model RingCNN: unknown parameter 'widht' (did you mean 'width'?); "
+                              "RingCNN takes: in_channels, num_classes, width, depth,")
+    assert "\n" not in message

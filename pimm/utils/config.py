@@ -11,8 +11,6 @@ file reproduces the run. The user-facing rules are in ``docs/config.md``.
 from __future__ import annotations
 
 import ast
-import copy
-import difflib
 import importlib
 import os
 import sys
@@ -21,108 +19,18 @@ import types
 from pathlib import Path
 from typing import Any, Iterable
 
+from .config_dict import ConfigDict
 from .config_dump import _CONFIG_MODULE, _to_source
+# The option helpers stay importable from here (``from pimm.utils.config import parse_options``).
+from .config_options import apply_option, merge_options, parse_options, parse_value  # noqa: F401
 from .errors import ConfigError
 
 __all__ = ["Config", "ConfigDict", "ConfigError"]
 
 
-def __getattr__(name: str):
-    # The option helpers live in config_options (which imports ConfigDict from
-    # here); keep them importable from pimm.utils.config as before.
-    if name in ("apply_option", "parse_options", "parse_value"):
-        from . import config_options
-
-        return getattr(config_options, name)
-    raise AttributeError(name)
-
-
 BASE_KEY = "_base_"
 DELETE_KEY = "_delete_"
 IMPORTS_KEY = "custom_imports"
-
-
-def _convert(value: Any) -> Any:
-    """Deep-convert dicts, also inside lists and tuples, to ConfigDict."""
-    if isinstance(value, ConfigDict):
-        return value
-    if isinstance(value, dict):
-        return ConfigDict(value)
-    if type(value) is list:
-        return [_convert(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_convert(v) for v in value)
-    return value
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-class ConfigDict(dict):
-    """A dict whose (nested) keys can also be read and written as attributes.
-
-    Keys that collide with dict methods (``items``, ``keys``, ``update``, ...)
-    must be accessed with ``cfg["items"]``."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__()
-        self.update(*args, **kwargs)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, _convert(value))
-
-    def update(self, *args: Any, **kwargs: Any) -> None:  # dict.update bypasses __setitem__
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    def __ior__(self, other: Any) -> "ConfigDict":
-        self.update(other)
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        # Dunder lookups (pickle, copy) must see a plain AttributeError.
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        try:
-            return self[name]
-        except KeyError:
-            pass
-        close = difflib.get_close_matches(name, [k for k in self if isinstance(k, str)], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise AttributeError(f"config has no key {name!r}{hint}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if hasattr(type(self), name):
-            raise AttributeError(f"{name!r} is a {type(self).__name__} attribute; set the key with cfg[{name!r}] = ...")
-        self[name] = value
-
-    def __delattr__(self, name: str) -> None:
-        try:
-            del self[name]
-        except KeyError:
-            raise AttributeError(f"config has no key {name!r}") from None
-
-    def __dir__(self) -> list[str]:
-        return [*super().__dir__(), *(k for k in self if isinstance(k, str) and k.isidentifier())]
-
-    def copy(self) -> "ConfigDict":
-        return copy.copy(self)
-
-    def to_dict(self) -> dict:
-        """Plain nested dicts and lists (tuples stay tuples)."""
-        return _plain(self)
 
 
 class Config(ConfigDict):
@@ -156,10 +64,7 @@ class Config(ConfigDict):
     def merge_from_options(self, tokens: Iterable[str] | None) -> None:
         """Apply ``--options`` tokens (``key=value``, ``+key=value``) in order.
         All tokens are parsed before any is applied."""
-        from .config_options import apply_option, parse_options  # needs ConfigDict from here
-
-        for key, value, is_new in parse_options(tokens):
-            apply_option(self, key, value, is_new)
+        merge_options(self, tokens)
 
     @property
     def pretty_text(self) -> str:

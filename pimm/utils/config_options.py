@@ -1,7 +1,9 @@
 """``--options`` overrides: parsing ``key=value`` tokens and applying them to a config.
 
 The grammar (dotted keys, list indices, hook-type selectors, ``+key``,
-literal-only values) is documented in ``docs/config.md``.
+literal-only values) is documented in ``docs/config.md``. A key the config
+does not list is accepted when it is a parameter of the registry-built dict
+it goes into (``hooks.CheckpointSaver.save_freq``): see ``config_slots``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import difflib
 import re
 from typing import Any, Iterable
 
-from .config import ConfigDict, _convert
-from .errors import ConfigError
+from .config_dict import ConfigDict, to_config_value
+from .config_slots import check_registry_dicts, resolve, unknown_key_message
+from .errors import ConfigError, RegistryError
 
-__all__ = ["apply_option", "parse_options", "parse_value"]
+__all__ = ["apply_option", "merge_options", "parse_options", "parse_value"]
 
 _OPTION_FORM = "expected key=value, e.g. optimizer.lr=0.01, hooks.2.save_freq=50 or +new_key=1"
 _INT = re.compile(r"-?\d+")
@@ -98,44 +101,98 @@ def _list_indices(node: list | tuple, seg: str, key: str, path: str) -> list[int
     return matches
 
 
-def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> None:
+def _join(path: str, seg: str) -> str:
+    return f"{path}.{seg}" if path else seg
+
+
+def _unknown_key(cfg: dict, key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _config_paths(cfg), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}; write +{key}=... to add a new key")
+
+
+def _check_parameter(cfg: dict, key: str, seg: str, last: bool, missing: list[tuple[dict, str, str]]) -> None:
+    """A key the config does not list is still defined when it is a parameter
+    of the registry-built dict it goes into (only as the last segment: a
+    missing dict on the way is not created without ``+``)."""
+    if not last:
+        raise _unknown_key(cfg, key)
+    for node, _, where in missing:
+        try:
+            resolved = resolve(node, where)
+        except RegistryError as err:
+            raise RegistryError(f"--options {key}: {err}") from None
+        if resolved is None:
+            raise _unknown_key(cfg, key)
+        if seg in resolved.filled or not resolved.params.accepts(seg):
+            raise ConfigError("--options " + unknown_key_message(resolved, seg, node, key))
+
+
+def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[str]:
     """Set dotted ``key`` to ``value``. A non-integer segment on a list selects
     every dict entry whose ``type`` equals it. Without ``is_new`` the key must
-    exist (in at least one selected entry); with it, missing parents are created
-    as dicts. Each target gets its own copy of ``value``."""
+    exist (in at least one selected entry) or be a parameter of the
+    registry-built dict it goes into; with it, missing parents are created as
+    dicts. Each target gets its own copy of ``value``. Returns the paths set,
+    with list entries by index (``hooks.4.save_freq``)."""
     segments = key.split(".")
-    targets: list[tuple[Any, str]] = [(cfg, "")]
+    targets: list[tuple[Any, str, str]] = [(cfg, "", "")]  # node, path as written, path by index
+    written: list[str] = []
     for depth, seg in enumerate(segments):
         last = depth == len(segments) - 1
-        following: list[tuple[Any, str]] = []
-        missing: list[tuple[dict, str]] = []
-        for node, path in targets:
-            here = f"{path}.{seg}" if path else seg
+        following: list[tuple[Any, str, str]] = []
+        missing: list[tuple[dict, str, str]] = []
+        for node, path, where in targets:
+            here = _join(path, seg)
             if isinstance(node, dict):
                 name = seg if seg in node else int(seg) if _INT.fullmatch(seg) and int(seg) in node else None
                 if name is None:
-                    missing.append((node, here))
+                    missing.append((node, here, where))
                 elif last:
                     node[name] = copy.deepcopy(value)
+                    written.append(_join(where, str(name)))
                 else:
-                    following.append((node[name], here))
+                    following.append((node[name], here, _join(where, str(name))))
             elif isinstance(node, (list, tuple)):
                 for index in _list_indices(node, seg, key, path):
+                    at = _join(where, str(index))
                     if not last:
-                        following.append((node[index], here))
+                        following.append((node[index], here, at))
                     elif isinstance(node, tuple):
                         raise ConfigError(f"--options {key}: '{path}' is a tuple; set it whole, e.g. {path}=(1, 2)")
                     else:
-                        node[index] = _convert(copy.deepcopy(value))
+                        node[index] = to_config_value(copy.deepcopy(value))
+                        written.append(at)
             else:
                 raise ConfigError(
                     f"--options {key}: '{path}' is {node!r} ({type(node).__name__}), not a dict or list"
                 )
         if missing and len(missing) == len(targets) and not is_new:
-            close = difflib.get_close_matches(key, _config_paths(cfg), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}; write +{key}=... to add a new key")
-        for node, here in missing:
+            _check_parameter(cfg, key, seg, last, missing)
+        for node, here, where in missing:
             node[seg] = copy.deepcopy(value) if last else ConfigDict()
-            following.append((node[seg], here))
+            following.append((node[seg], here, _join(where, seg)))
+            if last:
+                written.append(_join(where, seg))
         targets = following
+    return written
+
+
+def merge_options(cfg: dict, tokens: Iterable[str] | None) -> None:
+    """Apply ``--options`` tokens in order, all parsed before any is applied.
+    A registry-built dict whose ``type`` an option changed (or that an
+    option set whole) is then checked against its new type: the type must
+    be registered and every key it keeps must be a parameter of it."""
+    changed: list[tuple[str, str]] = []
+    for key, value, is_new in parse_options(tokens):
+        for path in apply_option(cfg, key, value, is_new):
+            if not is_new:
+                changed.append((key, path.rpartition(".")[0] if path.endswith(".type") else path))
+    for key, within in changed:
+        try:
+            check_registry_dicts(cfg, within, context=f"--options {key}: ")
+        except ConfigError as err:
+            if key.endswith(".type") and not isinstance(err, RegistryError):
+                # Keys of the old type stay when only ``type`` changes.
+                err.args = (f"{err}; to switch type, give the whole dict: {within}=\"{{'type': ..., ...}}\"",)
+            raise

@@ -3,17 +3,85 @@
 Every pluggable piece of pimm (trainers, hooks, models, datasets, transforms,
 optimizers, schedulers) lives in a :class:`Registry`, so a config can name it
 by string and a user can add their own with ``@REGISTRY.register_module()``.
+
+Every live registry is also known to this module (:func:`registries`), so
+code below the engine (the ``--options`` editor) can resolve a ``type`` name
+to its class without importing the packages that create the registries.
+
+The keys of a ``dict(type=...)`` are checked against the constructor's
+signature before it is called (:func:`parameters_of`), so a misspelt
+parameter is one line naming the nearest real one rather than Python's
+``unexpected keyword argument``.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import re
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .errors import RegistryError, UserError
 
-__all__ = ["Registry", "build_from_cfg"]
+__all__ = ["Registry", "build_from_cfg", "registries", "parameters_of", "Parameters"]
+
+_LIVE: list[weakref.ref] = []  # every Registry ever made, in creation order
+
+
+def registries(name: str | None = None) -> list["Registry"]:
+    """The live registries (those named ``name``), oldest first."""
+    _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
+    found = [ref() for ref in _LIVE]
+    return [r for r in found if r is not None and (name is None or r.name == name)]
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """The keyword arguments a constructor takes: ``names`` in signature
+    order; ``open`` when it also takes ``**kwargs`` (or has no signature to
+    read), so any name may be right."""
+
+    names: tuple[str, ...]
+    open: bool
+
+    def accepts(self, name: str) -> bool:
+        return self.open or name in self.names
+
+    def nearest(self, name: str, among: Iterable[str] | None = None) -> str | None:
+        close = difflib.get_close_matches(name, list(self.names if among is None else among), n=1, cutoff=0.6)
+        return close[0] if close else None
+
+
+def _signature_parameters(target: Callable) -> Parameters:
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # builtins without a readable signature
+        return Parameters((), True)
+    names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return Parameters(names, any(p.kind is p.VAR_KEYWORD for p in params))
+
+
+def parameters_of(obj: Callable) -> Parameters:
+    """Keyword parameters of a class's constructor (without ``self``) or of a function."""
+    return _signature_parameters(obj)
+
+
+def _forwarded_parameters(obj: Callable) -> tuple[str, ...]:
+    """Parameters of a class and of the parents its ``**kwargs`` usually
+    reach (``super().__init__(**kwargs)``): only used to suggest a name."""
+    if not inspect.isclass(obj):
+        return parameters_of(obj).names
+    names: list[str] = []
+    for klass in obj.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        own = _signature_parameters(klass.__init__)
+        names += [n for n in own.names[1:] if n not in names]  # [1:]: self
+        if not own.open:
+            break
+    return tuple(names)
 
 
 class BuildError(RuntimeError):
@@ -26,6 +94,7 @@ class Registry:
     def __init__(self, name: str):
         self.name = name
         self._modules: dict[str, Callable] = {}
+        _LIVE.append(weakref.ref(self))
 
     def __repr__(self) -> str:
         return f"Registry(name={self.name!r}, items={sorted(self._modules)})"
@@ -38,6 +107,10 @@ class Registry:
 
     def keys(self) -> list[str]:
         return sorted(self._modules)
+
+    def find(self, name: str) -> Callable | None:
+        """The class registered as ``name``, or None."""
+        return self._modules.get(name)
 
     def _add(self, module: Callable, names: Iterable[str], force: bool) -> None:
         if not callable(module):
@@ -132,6 +205,7 @@ def build_from_cfg(cfg: Any, registry: Registry, default_args: dict | None = Non
         type_name = getattr(obj_type, "__name__", repr(obj_type))
     else:
         raise RegistryError(f"{registry.name}: 'type' must be a name or a class, got {obj_type!r}")
+    _check_keys(obj_cls, [k for k in cfg if k != "type"], f"{registry.name} {type_name}")
 
     try:
         return obj_cls(**args)
@@ -149,9 +223,37 @@ def build_from_cfg(cfg: Any, registry: Registry, default_args: dict | None = Non
             raise RegistryError(
                 f"{registry.name} {type_name}({_describe_args(args)}): {err}"
             ) from err
+        # A constructor taking **kwargs passes them on (super().__init__(**kw));
+        # the parent rejecting one the config gave is still the config's fault.
+        rejected = _UNEXPECTED_KEYWORD.search(str(err))
+        if rejected and rejected.group(1) in cfg:
+            raise RegistryError(_unknown_keys_message(
+                f"{registry.name} {type_name}", [rejected.group(1)], _forwarded_parameters(obj_cls), type_name)) from err
         raise BuildError(f"{registry.name} {type_name}({_describe_args(args)}) failed: {err!r}") from err
     except Exception as err:
         raise BuildError(f"{registry.name} {type_name}({_describe_args(args)}) failed: {err!r}") from err
+
+
+_UNEXPECTED_KEYWORD = re.compile(r"got an unexpected keyword argument '(\w+)'")
+
+
+def _unknown_keys_message(what: str, unknown: list[str], names: Iterable[str], type_name: str) -> str:
+    names = list(names)
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+        parts.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    noun = "parameter" if len(unknown) == 1 else "parameters"
+    return f"{what}: unknown {noun} {', '.join(parts)}; {type_name} takes: {', '.join(names) or '(no parameters)'}"
+
+
+def _check_keys(obj_cls: Callable, keys: list[str], what: str) -> None:
+    """Refuse config keys the constructor cannot take, naming the nearest real ones."""
+    params = parameters_of(obj_cls)
+    unknown = [k for k in keys if not params.accepts(k)]
+    if unknown:
+        type_name = getattr(obj_cls, "__name__", what)
+        raise RegistryError(_unknown_keys_message(what, unknown, params.names, type_name))
 
 
 def _is_signature_error(obj_cls: Callable, args: dict) -> bool:

@@ -1,0 +1,376 @@
+"""One run at a time per ``save_path``: an exclusive lock on the run directory.
+
+A run holds ``save_path/.lock`` from start to end. A second run on the same
+directory stops with :class:`RunLockError` (exit 2) naming the holder: host,
+pid, start time and command, read from the JSON record the holder writes
+into the lock file.
+
+Only one process of a run takes the lock: the launcher that starts the
+ranks (``--num-gpus N``), or rank 0 under torchrun. The other ranks of the
+same run do not take it; they are covered by the holder, which lives as long
+as they do.
+
+How the lock is held
+--------------------
+*flock* (the default wherever the file system supports it): the holder keeps
+an ``fcntl.flock`` on the lock file. The kernel drops it when the process
+dies, however it dies (``kill -9`` included), so on a local file system a
+lock can never outlive its run. A run that finds the lock free but a record
+left in the file (its holder died without releasing) takes it over and says
+so. ``fcntl.flock`` is used rather than a library such as ``filelock``
+because the cross-host rules below need the holder record and the
+heartbeat, which such libraries do not keep.
+
+*exclusive file* (fallback where ``flock`` is not supported, e.g. Lustre
+mounted without ``flock``): the lock file is created with ``O_EXCL``; it
+exists while the run holds it. A leftover file whose holder is on this host
+and no longer running (checked by pid, process start time and boot id) is
+taken over.
+
+Across hosts (shared file systems)
+----------------------------------
+``flock`` on NFS is forwarded to the server and excludes other hosts when
+the mount has locking (the default); on mounts with local-only locks
+(NFS ``nolock``, Lustre ``localflock``) it does not, and in the fallback mode
+no host can check another's processes. So the holder also *heartbeats*: a
+background thread touches the lock file every ``heartbeat_s`` seconds. A
+record from another host is trusted as long as its heartbeat is younger than
+``stale_after_s``: the new run stops and says how to proceed (wait, or
+delete the file if that run is known to be gone). A record whose heartbeat
+is older is taken over, with a message.
+
+A clean ``release()`` (also at normal interpreter exit) deletes the lock
+file, so a finished run leaves only its results behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import secrets
+import shlex
+import socket
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: only the exclusive-file mode exists
+    fcntl = None
+
+__all__ = ["RunLock", "RunLockError", "LOCK_NAME"]
+
+LOCK_NAME = ".lock"
+# flock errors that mean "not supported here", not "someone holds it".
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK, errno.EINVAL}
+
+
+class RunLockError(UserError):
+    """The run directory is in use by another run, or cannot be locked."""
+
+    def __init__(self, message: str, holder: dict | None = None):
+        super().__init__(message)
+        self.holder = holder
+
+
+_HELD: "weakref.WeakSet[RunLock]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    # A forked child (a data-loader worker) shares the holder's open file and
+    # so its flock: close the child's copy, so that a child outliving a killed
+    # holder cannot keep the lock, and never release (delete) it from there.
+    for lock in list(_HELD):
+        lock._disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux), to tell a
+    live holder from an unrelated process that reuses its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # field 22, counted after "pid (comm)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _describe(holder: dict | None) -> str:
+    if not holder:
+        return "a process that has not written its record yet"
+    started = holder.get("started", "?")
+    command = holder.get("command")
+    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {started}"
+            + (f": {command}" if command else ""))
+
+
+class RunLock:
+    """``with RunLock(save_path): ...`` or ``acquire()`` / ``release()``.
+
+    ``mode``: "auto" (flock, else the exclusive file), "flock" or "exclusive".
+    ``warn`` receives the one-line message when a stale lock is taken over
+    (default: printed to stderr); it is also kept in ``took_over``.
+    """
+
+    def __init__(self, save_path: str | os.PathLike, *, mode: str = "auto", command: str | None = None,
+                 heartbeat_s: float = 30.0, stale_after_s: float = 300.0,
+                 warn: Callable[[str], None] | None = None):
+        if mode not in ("auto", "flock", "exclusive"):
+            raise ValueError(f"RunLock mode must be 'auto', 'flock' or 'exclusive', got {mode!r}")
+        self.directory = Path(save_path)
+        self.path = self.directory / LOCK_NAME
+        self.mode = mode
+        self.command = command if command is not None else " ".join(shlex.quote(a) for a in sys.argv)
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
+        self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
+        self.took_over: str | None = None
+        self.used_mode: str | None = None  # "flock" or "exclusive" once held
+        self._fd: int | None = None
+        self._record: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- public ------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        return self._record is not None
+
+    def acquire(self) -> "RunLock":
+        """Take the lock or raise :class:`RunLockError` naming the holder."""
+        if self.held:
+            return self
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunLockError(f"cannot create the run directory {self.directory}: {err.strerror or err}") from None
+        if self.mode != "exclusive" and fcntl is not None:
+            if self._acquire_flock():
+                return self._started("flock")
+            if self.mode == "flock":
+                raise RunLockError(f"file locks (flock) are not supported on the file system of {self.directory}; "
+                                   "use RunLock(mode='exclusive')")
+        self._acquire_exclusive()
+        return self._started("exclusive")
+
+    def release(self) -> None:
+        """Give the lock up and delete the lock file (a no-op when not held)."""
+        if not self.held:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._owns_file():
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+        self._record = None
+        _HELD.discard(self)
+        atexit.unregister(self.release)
+
+    def _disown(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._record = None
+        self._thread = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    # -- flock -------------------------------------------------------------
+    def _acquire_flock(self) -> bool:
+        """True when held; False when flock is unsupported here; raises when busy."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                os.close(fd)
+                if err.errno in _NO_FLOCK:
+                    return False
+                if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    holder = self._read_record()
+                    raise RunLockError(self._busy_message(holder), holder) from None
+                raise RunLockError(f"cannot lock {self.path}: {err.strerror or err}") from None
+            # The previous holder may have deleted the file between our open
+            # and our flock: then we locked a file nobody else will see.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            previous = self._read_fd(fd)
+            if previous and previous.get("host") != socket.gethostname() and self._fresh(fd):
+                # Another host's run may hold it where flock is not shared between hosts.
+                os.close(fd)
+                raise RunLockError(self._busy_message(previous, remote=True), previous)
+            self._fd = fd
+            if previous:
+                self._take_over(previous)
+            return True
+
+    # -- exclusive file ----------------------------------------------------
+    def _acquire_exclusive(self) -> None:
+        for _ in range(100):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._read_record()
+                if self._holder_alive(holder):
+                    raise RunLockError(self._busy_message(holder, remote=self._remote(holder)), holder) from None
+                # Stale: remove it only if it is still the file we judged.
+                if holder is not None and self._read_record() == holder:
+                    try:
+                        self.path.unlink()
+                    except FileNotFoundError:
+                        pass
+                    self._take_over(holder)
+                elif holder is None:
+                    time.sleep(0.05)  # being written right now
+                continue
+            except OSError as err:
+                raise RunLockError(f"cannot create {self.path}: {err.strerror or err}") from None
+            self._fd = fd
+            return
+        raise RunLockError(f"cannot take {self.path}: it keeps changing; is another run starting on it?")
+
+    def _holder_alive(self, holder: dict | None) -> bool:
+        if holder is None:  # created but not yet written: a live run is starting
+            try:
+                return time.time() - self.path.stat().st_mtime < self.stale_after_s
+            except FileNotFoundError:
+                return False
+        if self._remote(holder):
+            try:
+                return time.time() - self.path.stat().st_mtime < self.stale_after_s
+            except FileNotFoundError:
+                return False
+        if holder.get("boot_id") and holder.get("boot_id") != _boot_id():
+            return False  # this host rebooted since
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or not _pid_alive(pid):
+            return False
+        started = holder.get("pid_start")
+        return started is None or _process_start(pid) in (None, started)
+
+    # -- shared ------------------------------------------------------------
+    def _started(self, mode: str) -> "RunLock":
+        self.used_mode = mode
+        self._record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "started_unix": time.time(),
+            "command": self.command,
+            "mode": mode,
+            "boot_id": _boot_id(),
+            "pid_start": _process_start(os.getpid()),
+            "token": secrets.token_hex(8),
+        }
+        data = (json.dumps(self._record) + "\n").encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        os.fsync(self._fd)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="pimm-run-lock", daemon=True)
+        self._thread.start()
+        _HELD.add(self)
+        atexit.register(self.release)
+        return self
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # a transient file-system error must not kill the run
+
+    def _take_over(self, previous: dict) -> None:
+        where = "this host" if not self._remote(previous) else f"host {previous.get('host', '?')}"
+        self.took_over = (f"taking over the lock of {self.directory} left by pid {previous.get('pid', '?')} on "
+                          f"{where} (started {previous.get('started', '?')}), which is no longer running")
+        self.warn(self.took_over)
+
+    def _busy_message(self, holder: dict | None, remote: bool = False) -> str:
+        message = f"save_path {self.directory} is in use by another run ({_describe(holder)})"
+        if remote:
+            message += (f"; its host last touched the lock {self._age():.0f}s ago. Wait for it to end, or, if that "
+                        f"run is gone, delete {self.path} (it is taken over by itself after "
+                        f"{self.stale_after_s:.0f}s without a heartbeat)")
+        else:
+            message += "; wait for it to end, stop it, or choose another save_path"
+        return message
+
+    def _age(self) -> float:
+        try:
+            return max(0.0, time.time() - self.path.stat().st_mtime)
+        except FileNotFoundError:
+            return float("inf")
+
+    def _fresh(self, fd: int) -> bool:
+        return time.time() - os.fstat(fd).st_mtime < self.stale_after_s
+
+    @staticmethod
+    def _remote(holder: dict | None) -> bool:
+        return bool(holder) and holder.get("host") != socket.gethostname()
+
+    def _read_record(self) -> dict | None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return self._read_fd(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_fd(fd: int) -> dict | None:
+        try:
+            data = os.pread(fd, 65536, 0)
+            record = json.loads(data.decode()) if data.strip() else None
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _owns_file(self) -> bool:
+        current = self._read_record()
+        return bool(current) and current.get("token") == (self._record or {}).get("token")
