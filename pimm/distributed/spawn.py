@@ -44,18 +44,19 @@ def _aggregate(codes: list[int]) -> int:
     return failures[0] if failures else 1
 
 
-def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0) -> int:
-    """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks; return
-    the aggregate exit code (0, 75 when all stopped for pre-emption, else the failure)."""
+def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dict | None = None) -> int:
+    """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks with
+    ``env`` added; return the aggregate exit code (0, 75 when all stopped for
+    pre-emption, else the failure)."""
     port = free_port()
     children = []
     seen_errors: set[str] = set()
     lock = threading.Lock()
     pumps = []
     for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        child = subprocess.Popen([sys.executable, *command], env=env, stderr=subprocess.PIPE)
+        child_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        child = subprocess.Popen([sys.executable, *command], env=child_env, stderr=subprocess.PIPE)
         children.append(child)
         pump = threading.Thread(target=_pump_stderr, args=(child.stderr, seen_errors, lock), daemon=True)
         pump.start()

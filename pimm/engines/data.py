@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulBatchSampler, StatefulRandomSampler
+from pimm.utils.errors import DataSampleError
 from pimm.utils.rng import derive_seed, seed_cpu_streams
 
 __all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader",
@@ -53,13 +54,19 @@ class SeededDataset(Dataset):
             if get_worker_info() is not None:
                 seed_cpu_streams(key[1])
             key = key[0]
-        return self.dataset[key]
+        try:
+            return self.dataset[key]
+        except Exception as err:
+            raise _sample_error(self.dataset, key, err) from err
 
     def __getitems__(self, keys: list) -> list:
         # One call per batch (torch prefers it to per-sample __getitem__).
         dataset = self.dataset
         if get_worker_info() is None:
-            return [dataset[k[0] if type(k) is SampleKey else k] for k in keys]
+            try:
+                return [dataset[k[0] if type(k) is SampleKey else k] for k in keys]
+            except Exception:
+                pass  # find the failing sample below, to name it
         return [self[key] for key in keys]
 
     def __getattr__(self, name):
@@ -68,6 +75,15 @@ class SeededDataset(Dataset):
         if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+def _sample_error(dataset, index, err: Exception) -> DataSampleError:
+    if isinstance(err, DataSampleError):
+        return err
+    detail = str(err).splitlines()[0] if str(err) else ""
+    return DataSampleError(f"data set {type(dataset).__name__}: loading sample {index} failed "
+                           f"({type(err).__name__}{': ' + detail if detail else ''}); run with PIMM_DEBUG=1 for the "
+                           "traceback")
 
 
 def worker_init_fn(worker_id: int) -> None:

@@ -30,7 +30,9 @@ from pimm.engines.runtime import apply_runtime_defaults, check_required, validat
 from pimm.utils import comm
 from pimm.utils.config import Config
 from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
+from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.logger import setup_logger
+from pimm.utils.run_lock import RunLock
 
 __all__ = ["main", "load_config", "build_trainer"]
 
@@ -54,19 +56,23 @@ def _parser(mode: str) -> _Parser:
     return parser
 
 
-def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train"):
-    """The validated config and its built hooks (see the module docstring for the order)."""
+def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train",
+                check_save_path: bool = True):
+    """The validated config and its built hooks (see the module docstring for the
+    order). ``check_save_path``: refuse a fresh run over an earlier one's results
+    (the launcher does it itself once it holds the run lock)."""
     cfg = Config.fromfile(config_file)
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
+    check_registry_dicts(cfg)
     hooks = build_hooks(cfg.hooks)
     for hook in hooks:
         hook.modify_config(cfg)
     validate_runtime(cfg, world_size)
     check_required(cfg, mode)
-    if mode == "train":
+    if mode == "train" and check_save_path:
         guard_fresh_run(cfg)
-    elif not cfg.weight:
+    elif mode == "test" and not cfg.weight:
         raise ConfigError("tools/test.py needs the weights to evaluate: --options weight=PATH/model_best.pth")
     return cfg, hooks
 
@@ -105,9 +111,12 @@ def _install_startup_signals(names) -> None:
 
 
 def _run(args, mode: str, attempt_box: list) -> int:
+    lock: list = []
     try:
-        return _run_in_process_group(args, mode, attempt_box)
+        return _run_in_process_group(args, mode, attempt_box, lock)
     finally:
+        for held in lock:
+            held.release()
         for name in ("SIGTERM", *_PREEMPT_NAMES):
             if hasattr(signal, name):
                 try:
@@ -119,10 +128,28 @@ def _run(args, mode: str, attempt_box: list) -> int:
 _PREEMPT_NAMES: list[str] = []
 
 
-def _run_in_process_group(args, mode: str, attempt_box: list) -> int:
+def _take_run_lock(cfg, lock: list) -> None:
+    """One run per save_path: rank 0 holds the lock for the run's life (a
+    ``--num-gpus`` parent already holds it for its ranks); every rank learns
+    whether it was granted, so all stop together when it was not."""
+    error = None
+    if comm.get_rank() == 0 and not os.environ.get("PIMM_RUN_LOCK_HELD"):
+        try:
+            lock.append(RunLock(cfg.save_path).acquire())
+        except UserError as err:
+            error = str(err)
+    error = comm.broadcast_object(error)
+    if error is not None:
+        raise UserError(error if comm.get_rank() == 0 else "rank 0 could not lock save_path (see its error)")
+    guard_fresh_run(cfg)
+
+
+def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int:
     comm.init_distributed_from_env()
     _install_startup_signals(("SIGTERM",))
-    cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode)
+    cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode, check_save_path=False)
+    if mode == "train":
+        _take_run_lock(cfg, lock)
     _install_startup_signals(cfg.preempt_signals)
     _PREEMPT_NAMES[:] = cfg.preempt_signals
     _resolve_seed(cfg)
@@ -136,6 +163,9 @@ def _run_in_process_group(args, mode: str, attempt_box: list) -> int:
         attempt_box.append(attempt)
         logger.info(f"pimm {mode}: {args.config_file} (save_path {cfg.save_path}, seed {cfg.seed})")
         logger.info(attempt.summary(record))
+        for held in lock:
+            if held.took_over:
+                logger.warning(held.took_over)
     try:
         trainer = build_trainer(cfg, mode, hooks)
         if mode == "train":
@@ -167,8 +197,13 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
                 raise UserError("--num-gpus starts its own processes and cannot be combined with torchrun's "
                                 "WORLD_SIZE/RANK variables: use one or the other")
             # Validate once here, so bad input gives one error line rather than N.
-            load_config(args.config_file, args.options, args.num_gpus, mode)
-            return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus)
+            cfg, _ = load_config(args.config_file, args.options, args.num_gpus, mode, check_save_path=False)
+            if mode != "train":
+                return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus)
+            with RunLock(cfg.save_path):  # held by this parent for all its ranks
+                guard_fresh_run(cfg)
+                return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus,
+                                   env={"PIMM_RUN_LOCK_HELD": "1"})
         code = _run(args, mode, attempt_box)
         reason = next((r for r in attempt_box if isinstance(r, str)), "completed")
         return code
@@ -176,6 +211,8 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
         code, reason = EXIT_USAGE, f"bad input: {err}"
         if debug:
             traceback.print_exc()
+            if getattr(err, "full_text", str(err)) != str(err):
+                print(err.full_text, file=sys.stderr)
         _report_error(f"error: {err}")
         return code
     except TrainingPreempted as err:

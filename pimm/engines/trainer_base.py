@@ -37,7 +37,6 @@ from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import PHASES, HookBase, get_priority
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
-from pimm.utils import comm
 from pimm.utils.errors import TrainingPreempted, UserError
 
 __all__ = ["TrainerBase"]

@@ -122,7 +122,7 @@ def _execute(path: Path) -> tuple[dict, tuple[set, set]]:
     namespace: dict = {"__file__": str(path), "__name__": _CONFIG_MODULE}
     try:
         exec(code, namespace)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a config that calls sys.exit() is bad input too
         frames = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)]
         at = f"{path}:{frames[-1]}" if frames else str(path)
         raise ConfigError(f"error while executing config {at}: {type(err).__name__}: {err}") from err

@@ -23,6 +23,19 @@ class CheckpointError(UserError):
     """A checkpoint or weight file is missing, unreadable or does not fit."""
 
 
+class DataSampleError(UserError):
+    """Loading one sample failed. Raised in a data worker, it reaches the main
+    process wrapped in the worker's traceback text; only the last line (ours)
+    is kept, so the user sees one line naming the data set, index and error."""
+
+    def __init__(self, message: str):
+        self.full_text = str(message)  # with the worker's traceback, shown under PIMM_DEBUG=1
+        lines = [line for line in str(message).splitlines() if line.strip()]
+        if len(lines) > 1:  # re-created by torch's worker exception wrapper
+            message = lines[-1].split(": ", 1)[-1] if lines[-1].startswith(type(self).__name__) else lines[-1]
+        super().__init__(message)
+
+
 class TrainingPreempted(Exception):
     """Raised once a pre-emption checkpoint is committed; the CLI exits with
     :data:`EXIT_PREEMPTED` so a job wrapper knows to requeue with ``resume=True``."""

@@ -11,33 +11,27 @@ tracks what it adds in one line, and never copies the optimizer step.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import time
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import IterableDataset, default_collate
 
 from pimm.engines import data as data_lib
 from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import HookBase, build_hooks
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
-from pimm.engines.optim import build_optimizer
 from pimm.engines.optim_step import OptimStep
-from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS, TRAINERS
+from pimm.engines.registries import TRAINERS
 from pimm.engines.runtime import validate_runtime
-from pimm.engines.scheduler import build_scheduler
 from pimm.engines.state import CheckpointManager, Retention, load_weights, restore_latest, save_model_file
 from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
                                              TrainStateParticipant)
 from pimm.engines.state.restore import flatten_config
 from pimm.engines.trainer_base import TrainerBase
-from pimm.engines.writers import MetricsWriter
+from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import set_aside
@@ -47,7 +41,7 @@ __all__ = ["DefaultTrainer"]
 
 
 @TRAINERS.register_module()
-class DefaultTrainer(TrainerBase):
+class DefaultTrainer(ComponentBuilders, TrainerBase):
     """Options (the keys of ``train = dict(type="DefaultTrainer", ...)``):
 
     collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
@@ -96,9 +90,12 @@ class DefaultTrainer(TrainerBase):
         self._val_loader = self._test_loader = None
         self._data_iter = None
         self._last_saved_step: int | None = None
+        self._first_forward = True
         if mode == "test":
             self.model = self.model_without_ddp
             self.register_hooks(hooks)
+            if self.evaluators:
+                self._check_eval_split("test")
             return
 
         self.track("model", ModelParticipant(self.model_without_ddp))
@@ -108,6 +105,8 @@ class DefaultTrainer(TrainerBase):
         )
         self.train_loader = self.build_train_loader()
         self.iters_per_epoch = self._compute_iters_per_epoch()
+        if self.evaluators and cfg.evaluate:
+            self._check_eval_split("val")  # found now, not after the first epoch
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
         self.optimizer = self.build_optimizer()
         self.scheduler = self.build_scheduler()
@@ -153,142 +152,6 @@ class DefaultTrainer(TrainerBase):
         if hasattr(self, "optim_step"):
             dispatch = self._dispatch["after_backward"]
             self.optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
-
-    # -- builders ---------------------------------------------------------
-    def build_model(self) -> torch.nn.Module:
-        model = MODELS.build(self.cfg.model)
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.logger.info(f"Model {type(model).__name__}: {n_params:,} trainable parameters")
-        return model
-
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module the loss is computed through: DDP when distributed."""
-        if self.world_size == 1:
-            return model
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids,
-                                       find_unused_parameters=self.options["find_unused_parameters"])
-
-    @property
-    def num_workers_per_rank(self) -> int:
-        return self.cfg.num_worker // self.world_size
-
-    def _resolve_collate(self, spec, dataset):
-        if spec is None:
-            return getattr(dataset, "collate_fn", None) or default_collate
-        if isinstance(spec, str):
-            return COLLATE_FNS.get(spec)
-        if isinstance(spec, dict):
-            spec = dict(spec)
-            return functools.partial(COLLATE_FNS.get(spec.pop("type")), **spec)
-        if callable(spec):
-            return spec
-        raise ConfigError(f"collate_fn must be a registered name or dict(type=...), got {spec!r}")
-
-    def _build_dataset(self, split: str):
-        data_cfg = self.cfg.get("data") or {}
-        if split not in data_cfg or data_cfg[split] is None:
-            raise ConfigError(f"data.{split} is not set: add data = dict({split}=dict(type=..., ...))")
-        return DATASETS.build(data_cfg[split])
-
-    def build_train_loader(self):
-        return self._make_train_loader(self._build_dataset("train"))
-
-    def _make_train_loader(self, dataset, sampler=None):
-        # Only iterable data sets resume from the loader's own snapshots (see
-        # LoaderParticipant); take them at the checkpoint cadence, not per step.
-        iterable = isinstance(dataset, IterableDataset)
-        interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
-        return data_lib.build_train_loader(
-            dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
-            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
-            collate_fn=self._resolve_collate(self.options["collate_fn"], dataset),
-            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
-        )
-
-    def _build_eval_loader(self, split: str):
-        dataset = self._build_dataset(split)
-        batch_size = self.cfg.batch_size_val or self.cfg.batch_size
-        spec = self.options["val_collate_fn"] or self.options["collate_fn"]
-        return data_lib.build_eval_loader(
-            dataset, batch_size=max(1, batch_size // self.world_size), num_workers=self.num_workers_per_rank,
-            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
-            collate_fn=self._resolve_collate(spec, dataset), pin_memory=self.device.type == "cuda",
-        )
-
-    def build_val_loader(self):
-        return self._build_eval_loader("val")
-
-    def build_test_loader(self):
-        return self._build_eval_loader("test")
-
-    @property
-    def val_loader(self):
-        if self._val_loader is None:
-            self._val_loader = self.build_val_loader()
-        return self._val_loader
-
-    @property
-    def test_loader(self):
-        if self._test_loader is None:
-            self._test_loader = self.build_test_loader()
-        return self._test_loader
-
-    def _compute_iters_per_epoch(self) -> int:
-        dataset = self.train_loader.dataset
-        explicit = self.options["iters_per_epoch"]
-        if explicit is not None:
-            if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0:
-                raise ConfigError(f"train.iters_per_epoch={explicit!r} must be a positive integer")
-            return explicit
-        if isinstance(dataset, IterableDataset):
-            if not hasattr(dataset, "num_samples"):
-                raise ConfigError(
-                    f"{type(dataset).__name__} is an iterable data set: set train.iters_per_epoch "
-                    "or give the data set a num_samples() method"
-                )
-            batches = dataset.num_samples() // self.batch_size_per_rank
-        else:
-            batches = len(self.train_loader)
-        iters = batches // self.grad_accum_steps
-        if iters <= 0:
-            raise ConfigError(
-                f"the training set gives {batches} batch(es) of {self.batch_size_per_rank} per process, fewer than "
-                f"grad_accum_steps={self.grad_accum_steps}: lower batch_size or use more data"
-            )
-        return iters
-
-    def build_optimizer(self):
-        return build_optimizer(self.cfg.optimizer, self.model_without_ddp, self.cfg.get("param_dicts"))
-
-    def build_scheduler(self):
-        spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
-        return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch)
-
-    def _scheduled_group_keys(self) -> tuple[str, ...]:
-        """Group keys the scheduler sets per step (the lr, a cycled momentum)."""
-        owned = getattr(self.scheduler, "_owned_group_keys", None)
-        return ("lr", *({"betas", "momentum"} & set(owned() if owned else ())))
-
-    def build_scaler(self):
-        enabled = self.cfg.enable_amp and self.cfg.amp_dtype == "float16"
-        if enabled and self.device.type != "cuda":
-            raise ConfigError("amp_dtype='float16' needs CUDA; on CPU use amp_dtype='bfloat16' or enable_amp=False")
-        return torch.amp.GradScaler(self.device.type, enabled=enabled)
-
-    def _build_autocast(self):
-        if not self.cfg.enable_amp:
-            return contextlib.nullcontext
-        dtype = getattr(torch, self.cfg.amp_dtype)
-        return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
-
-    def build_writer(self) -> MetricsWriter:
-        cfg = self.cfg
-        return MetricsWriter(
-            self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,
-            wandb_init=dict(project=cfg.wandb_project, name=self.save_path.name, config=_plain(cfg)),
-            logger=self.logger,
-        )
 
     # -- state: restore, save, model files ---------------------------------
     def restore(self) -> bool:
@@ -340,10 +203,6 @@ class DefaultTrainer(TrainerBase):
         if comm.is_main_process():
             save_model_file(state_dict, self.save_path / "model" / name, epoch=self.train_state.epoch,
                             global_step=self.global_step, **fields)
-
-    @property
-    def retention(self) -> Retention:
-        return self.checkpointer.retention
 
     # -- evaluation -------------------------------------------------------
     @property
@@ -454,8 +313,25 @@ class DefaultTrainer(TrainerBase):
 
     def forward(self, batch) -> dict:
         """The model's training forward pass (under autocast when AMP is on)."""
+        if self._first_forward:
+            return self._first_forward_checked(batch)
         with self.autocast():
-            output = self.model(batch)
+            return self.model(batch)
+
+    def _first_forward_checked(self, batch) -> dict:
+        """The first forward pass of this process: a failure here is almost always a
+        model config that does not fit the data (channels, classes, keys), so it is
+        reported in one line, with the traceback in train.log."""
+        try:
+            with self.autocast():
+                output = self.model(batch)
+        except Exception as err:
+            self.logger.exception("The model's first forward pass failed")
+            detail = str(err).splitlines()[0] if str(err) else ""
+            raise UserError(f"model {type(self.model_without_ddp).__name__} failed on the first training batch "
+                            f"({type(err).__name__}: {detail}); check the model config against the data (input "
+                            "channels, classes, batch keys); traceback in train.log") from err
+        self._first_forward = False
         if not isinstance(output, dict) or not isinstance(output.get("loss"), torch.Tensor):
             raise UserError(f"model {type(self.model_without_ddp).__name__} returned no 'loss' in training mode; "
                             "its forward must return a dict with a scalar 'loss'")
@@ -535,7 +411,3 @@ class DefaultTrainer(TrainerBase):
                 if loader is not None:
                     data_lib.shutdown_loader(loader)
 
-
-def _plain(cfg) -> dict:
-    to_dict = getattr(cfg, "to_dict", None)
-    return to_dict() if callable(to_dict) else dict(cfg)

@@ -1,0 +1,177 @@
+"""How :class:`~pimm.engines.trainers.default.DefaultTrainer` builds its
+components from the config: model (and its DDP wrapper), data loaders,
+optimizer, scheduler, AMP scaler and autocast, writer. Each is an
+overridable ``build_*`` method, so a new trainer replaces one builder and
+nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset, default_collate
+
+from pimm.engines import data as data_lib
+from pimm.engines.optim import build_optimizer
+from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
+from pimm.engines.scheduler import build_scheduler
+from pimm.engines.writers import MetricsWriter
+from pimm.utils.config_dict import to_plain
+from pimm.utils.errors import ConfigError
+
+__all__ = ["ComponentBuilders"]
+
+
+class ComponentBuilders:
+    """The ``build_*`` methods of DefaultTrainer (a mixin: it reads ``self.cfg``,
+    ``self.world_size``, ``self.rank``, ``self.device``, ``self.options``)."""
+
+    def build_model(self) -> torch.nn.Module:
+        model = MODELS.build(self.cfg.model)
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.logger.info(f"Model {type(model).__name__}: {n_params:,} trainable parameters")
+        return model
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the loss is computed through: DDP when distributed."""
+        if self.world_size == 1:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids,
+                                       find_unused_parameters=self.options["find_unused_parameters"])
+
+    @property
+    def num_workers_per_rank(self) -> int:
+        return self.cfg.num_worker // self.world_size
+
+    def _resolve_collate(self, spec, dataset):
+        if spec is None:
+            return getattr(dataset, "collate_fn", None) or default_collate
+        if isinstance(spec, str):
+            return COLLATE_FNS.get(spec)
+        if isinstance(spec, dict):
+            spec = dict(spec)
+            return functools.partial(COLLATE_FNS.get(spec.pop("type")), **spec)
+        if callable(spec):
+            return spec
+        raise ConfigError(f"collate_fn must be a registered name or dict(type=...), got {spec!r}")
+
+    def _build_dataset(self, split: str):
+        data_cfg = self.cfg.get("data") or {}
+        if split not in data_cfg or data_cfg[split] is None:
+            raise ConfigError(f"data.{split} is not set: add data = dict({split}=dict(type=..., ...))")
+        return DATASETS.build(data_cfg[split])
+
+    def build_train_loader(self):
+        return self._make_train_loader(self._build_dataset("train"))
+
+    def _make_train_loader(self, dataset, sampler=None):
+        # Only iterable data sets resume from the loader's own snapshots (see
+        # LoaderParticipant); take them at the checkpoint cadence, not per step.
+        iterable = isinstance(dataset, IterableDataset)
+        interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
+        return data_lib.build_train_loader(
+            dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
+            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
+            collate_fn=self._resolve_collate(self.options["collate_fn"], dataset),
+            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
+        )
+
+    def _build_eval_loader(self, split: str):
+        dataset = self._build_dataset(split)
+        batch_size = self.cfg.batch_size_val or self.cfg.batch_size
+        spec = self.options["val_collate_fn"] or self.options["collate_fn"]
+        return data_lib.build_eval_loader(
+            dataset, batch_size=max(1, batch_size // self.world_size), num_workers=self.num_workers_per_rank,
+            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
+            collate_fn=self._resolve_collate(spec, dataset), pin_memory=self.device.type == "cuda",
+        )
+
+    def _check_eval_split(self, split: str) -> None:
+        names = ", ".join(type(e).__name__ for e in self.evaluators)
+        data_cfg = self.cfg.get("data") or {}
+        if data_cfg.get(split) is None:
+            raise ConfigError(f"{names} evaluate(s) on data.{split}, which is not set: add data.{split} = "
+                              f"dict(type=...), or evaluate=False to train without evaluation")
+        loader = self.val_loader if split == "val" else self.test_loader
+        if len(loader.dataset) == 0:
+            raise ConfigError(f"data.{split} ({type(loader.dataset).__name__}) is empty: {names} would have nothing "
+                              "to score")
+
+    def build_val_loader(self):
+        return self._build_eval_loader("val")
+
+    def build_test_loader(self):
+        return self._build_eval_loader("test")
+
+    @property
+    def val_loader(self):
+        if self._val_loader is None:
+            self._val_loader = self.build_val_loader()
+        return self._val_loader
+
+    @property
+    def test_loader(self):
+        if self._test_loader is None:
+            self._test_loader = self.build_test_loader()
+        return self._test_loader
+
+    def _compute_iters_per_epoch(self) -> int:
+        dataset = self.train_loader.dataset
+        explicit = self.options["iters_per_epoch"]
+        if explicit is not None:
+            if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0:
+                raise ConfigError(f"train.iters_per_epoch={explicit!r} must be a positive integer")
+            return explicit
+        if isinstance(dataset, IterableDataset):
+            if not hasattr(dataset, "num_samples"):
+                raise ConfigError(
+                    f"{type(dataset).__name__} is an iterable data set: set train.iters_per_epoch "
+                    "or give the data set a num_samples() method"
+                )
+            batches = dataset.num_samples() // self.batch_size_per_rank
+        else:
+            if len(dataset) == 0:
+                raise ConfigError(f"data.train ({type(dataset).__name__}) is empty: nothing to train on")
+            batches = len(self.train_loader)
+        iters = batches // self.grad_accum_steps
+        if iters <= 0:
+            raise ConfigError(
+                f"the training set gives {batches} batch(es) of {self.batch_size_per_rank} per process, fewer than "
+                f"grad_accum_steps={self.grad_accum_steps}: lower batch_size or use more data"
+            )
+        return iters
+
+    def build_optimizer(self):
+        return build_optimizer(self.cfg.optimizer, self.model_without_ddp, self.cfg.get("param_dicts"))
+
+    def build_scheduler(self):
+        spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
+        return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch)
+
+    def _scheduled_group_keys(self) -> tuple[str, ...]:
+        """Group keys the scheduler sets per step (the lr, a cycled momentum)."""
+        owned = getattr(self.scheduler, "_owned_group_keys", None)
+        return ("lr", *({"betas", "momentum"} & set(owned() if owned else ())))
+
+    def build_scaler(self):
+        enabled = self.cfg.enable_amp and self.cfg.amp_dtype == "float16"
+        if enabled and self.device.type != "cuda":
+            raise ConfigError("amp_dtype='float16' needs CUDA; on CPU use amp_dtype='bfloat16' or enable_amp=False")
+        return torch.amp.GradScaler(self.device.type, enabled=enabled)
+
+    def _build_autocast(self):
+        if not self.cfg.enable_amp:
+            return contextlib.nullcontext
+        dtype = getattr(torch, self.cfg.amp_dtype)
+        return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
+
+    def build_writer(self) -> MetricsWriter:
+        cfg = self.cfg
+        return MetricsWriter(
+            self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,
+            wandb_init=dict(project=cfg.wandb_project, name=self.save_path.name, config=to_plain(cfg)),
+            logger=self.logger,
+        )
