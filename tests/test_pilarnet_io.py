@@ -187,7 +187,8 @@ def test_options_min_points_max_len_loop_and_splits(split_dir, generated):
     capped = PILArNetH5Dataset(split_dir, min_points=0, max_len=4, loop=2)
     assert len(capped) == 8
     assert_same_event(capped[5], generated[1])  # loop repeats the first max_len events
-    assert len(PILArNetH5Dataset(split_dir, min_points=0, max_len=-1)) == 5
+    for no_cap in (-1, 0, None):
+        assert len(PILArNetH5Dataset(split_dir, min_points=0, max_len=no_cap)) == 5
     (split_dir / "val").mkdir()
     write_pilarnet_h5(generated[:2], split_dir / "val" / "c.h5")
     both = PILArNetH5Dataset(split_dir, split=["train", "val"], min_points=0)

@@ -70,28 +70,28 @@ def _resolve_files(data_root: str | os.PathLike, splits: Sequence[str]) -> list[
     if os.path.isdir(root):
         files = _split_files(root, splits)
         if not files:
-            raise UserError(f"PILArNetH5Dataset: no *.h5 files in {root} (looked for "
+            raise UserError(f"no *.h5 files in {root} (looked for "
                             f"{', '.join(os.path.join(root, '*' + s, '*.h5') for s in splits)} and {root}/*.h5)")
         return files
     if glob.has_magic(root):
         files = sorted(f for f in glob.glob(root) if os.path.isfile(f))
         if not files:
-            raise UserError(f"PILArNetH5Dataset: the pattern {root} matches no files")
+            raise UserError(f"the pattern {root} matches no files")
         return files
-    raise UserError(f"PILArNetH5Dataset: data_root {root} does not exist "
+    raise UserError(f"data_root {root} does not exist "
                     "(give a directory of *.h5 files, a single .h5 file or a glob)")
 
 
 def _default_root(revision: str | None) -> str:
     """Upstream's fallback when ``data_root`` is None."""
     if revision is None:
-        raise ConfigError("PILArNetH5Dataset: data_root is None; give data_root, or a revision so that "
+        raise ConfigError("data_root is None; give data_root, or a revision so that "
                           "$PILARNET_DATA_ROOT_<REVISION> or ~/.cache/pimm/pilarnet/<revision> is used")
     variable = f"PILARNET_DATA_ROOT_{revision.upper()}"
     cached = Path.home() / ".cache" / "pimm" / "pilarnet" / revision
     root = os.environ.get(variable) or (str(cached) if cached.is_dir() else None)
     if root is None:
-        raise ConfigError(f"PILArNetH5Dataset: data_root is None and neither ${variable} nor {cached} is set up; "
+        raise ConfigError(f"data_root is None and neither ${variable} nor {cached} is set up; "
                           "pass data_root=... (e.g. --options data.train.data_root=/path)")
     return root
 
@@ -136,7 +136,7 @@ class PILArNetH5Dataset(PointDataset):
             ``None`` (pimm's default) takes each file's own layout.
         min_points: skip events with fewer points (upstream's default 1024;
             counted from the ``<file>_points.npy`` index when present).
-        max_len: keep at most this many events (``-1``: all), before ``loop``.
+        max_len: keep at most this many events (``-1`` or ``0``: all), before ``loop``.
         loop: repeat the events this many times per epoch.
         energy_threshold: when positive, keep only points whose voxel value
             is above it (MeV).
@@ -167,24 +167,24 @@ class PILArNetH5Dataset(PointDataset):
                  overlay_allow_repeats: bool = True):
         splits = [split] if isinstance(split, str) else list(split)
         if not splits or not all(isinstance(s, str) for s in splits):
-            raise ConfigError(f"PILArNetH5Dataset: split must be a split name or a list of them, got {split!r}")
+            raise ConfigError(f"split must be a split name or a list of them, got {split!r}")
         if any(name not in SPLITS for name in splits):
             raise UserError(f"split={split!r} is not supported; use one of {', '.join(SPLITS)} (or a list of them)")
         super().__init__(split=splits[0], transform=transform)
         if len(splits) > 1:
             self.split = "custom"  # upstream's name for a multi-split set
         if test_mode or test_cfg is not None:
-            raise ConfigError("PILArNetH5Dataset: test_mode/test_cfg (upstream's fragment testing) is not "
+            raise ConfigError("test_mode/test_cfg (upstream's fragment testing) is not "
                               "supported; evaluate with an evaluator hook on data.test")
         if overlay_n_events not in (1, (1, 1), [1, 1]):
-            raise ConfigError(f"PILArNetH5Dataset: overlay_n_events={overlay_n_events!r} (event overlay) is not "
+            raise ConfigError(f"overlay_n_events={overlay_n_events!r} (event overlay) is not "
                               "supported; leave it at 1")
         if revision is not None and revision not in REVISIONS:
-            raise ConfigError(f"PILArNetH5Dataset: revision={revision!r} is not one of {', '.join(REVISIONS)} "
+            raise ConfigError(f"revision={revision!r} is not one of {', '.join(REVISIONS)} "
                               "(or None to take each file's layout)")
         for name, value, low in (("loop", loop, 1), ("min_points", min_points, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"PILArNetH5Dataset: {name}={value!r} must be an integer >= {low}")
+                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
         self.revision, self.loop, self.ignore_index = revision, loop, ignore_index
         self.energy_threshold = float(energy_threshold)
         self.remove_low_energy_scatters, self.old_pid_mapping = bool(remove_low_energy_scatters), bool(old_pid_mapping)
@@ -205,11 +205,11 @@ class PILArNetH5Dataset(PointDataset):
                 raise UserError(f"cannot open {path} as HDF5: {err}") from None
             entries.append(np.stack([np.full(len(keep), file_id), keep], axis=1))
         index = np.concatenate(entries) if entries else np.zeros((0, 2), dtype=np.int64)
-        if max_len is not None and max_len >= 0:
+        if max_len is not None and max_len > 0:  # upstream: 0 or negative = no cap
             index = index[:max_len]
         self.index = index.astype(np.int64)
         if len(self.index) == 0:
-            raise UserError(f"PILArNetH5Dataset: none of the {total} events in {len(self.files)} file(s) under "
+            raise UserError(f"none of the {total} events in {len(self.files)} file(s) under "
                             f"{self.files[0] if len(self.files) == 1 else os.path.dirname(self.files[0])} is kept "
                             f"(min_points={min_points}, max_len={max_len}); lower min_points (upstream's default "
                             "is 1024) or check data_root and split")

@@ -437,7 +437,6 @@ def _as_columns(x):
     return x.reshape(x.shape[0], int(np.prod(x.shape[1:], dtype=np.int64)))
 
 
-from . import voxelize  # noqa: E402,F401  (registers GridSample next to the other transforms)
-from .voxelize import GridSample  # noqa: E402
+from .voxelize import GridSample  # noqa: E402  (registers it next to the other transforms)
 
 __all__ += ["GridSample"]
