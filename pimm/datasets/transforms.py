@@ -4,8 +4,10 @@ Each transform is a callable ``data_dict -> data_dict`` registered in
 ``TRANSFORMS`` so configs list them by name; :class:`Compose` chains a list of
 configs. Names, arguments and meanings follow upstream pimm (Pointcept
 lineage), so an upstream ``transform=[...]`` list runs unchanged; where pimm
-adds an option, upstream's default behaviour is kept. Voxel down-sampling,
-:class:`~pimm.datasets.voxelize.GridSample`, lives in its own module.
+adds an option, upstream's default behaviour is kept. Voxel down-sampling
+(:class:`~pimm.datasets.voxelize.GridSample`) and the final packing steps
+(:mod:`pimm.datasets.packing`: ``ToTensor``, ``Collect``) live in their own
+modules and are re-exported here.
 
 Which entries are per point: the keys listed in ``data["index_valid_keys"]``
 when an event carries that list (upstream's mechanism, set with
@@ -21,13 +23,13 @@ Transforms return a new dict and never write into the arrays they were given
 Randomness: random transforms draw from the *global* numpy RNG and hold no
 RNG of their own. The engine seeds that RNG per sample in data workers and
 checkpoints it in the main process, which is what makes augmentation replay
-exactly on resume. Apply geometric transforms before :class:`ToTensor`.
+exactly on resume. Apply geometric transforms before
+:class:`~pimm.datasets.packing.ToTensor`.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -363,80 +365,8 @@ class LogTransform:
         return out
 
 
-@TRANSFORMS.register_module()
-class ToTensor:
-    """Convert to torch, recursing into dicts and lists: integer arrays become
-    int64, floating arrays float32, boolean arrays stay boolean; a Python int
-    or float becomes a 1-element tensor (upstream's rule). Strings, tensors and
-    anything else pass through."""
-
-    def __call__(self, data: Any) -> Any:
-        if isinstance(data, torch.Tensor) or isinstance(data, str):
-            return data
-        if isinstance(data, np.ndarray) and data.dtype != object:
-            tensor = torch.from_numpy(np.ascontiguousarray(data))
-            if data.dtype.kind in "iu":
-                return tensor.long()
-            return tensor.float() if data.dtype.kind == "f" else tensor
-        if isinstance(data, (bool, int, np.integer)):
-            return torch.tensor([int(data)], dtype=torch.long)
-        if isinstance(data, (float, np.floating)):
-            return torch.tensor([float(data)], dtype=torch.float32)
-        if isinstance(data, Mapping):
-            return {k: self(v) for k, v in data.items()}
-        if isinstance(data, (list, tuple)):
-            return [self(v) for v in data]
-        return data
-
-
-@TRANSFORMS.register_module()
-class Collect:
-    """The last step: keep only ``keys``; for every other argument named
-    ``<name>_keys``, concatenate those entries along dim 1 into ``<name>``
-    (float32): ``feat_keys=("coord", "energy")`` builds a 4-channel ``feat``
-    (1-D entries count as one column); and store the point count of each
-    value of ``offset_keys_dict`` under its key (``{"origin_offset":
-    "origin_coord"}``), which the collate function turns into cumulative
-    offsets. Works on numpy arrays and tensors.
-
-    Upstream always adds ``offset`` (from ``coord``) here; pimm's collate
-    functions derive the batch ``offset`` from the points themselves, so it is
-    only stored when ``offset_keys_dict`` asks for it -- batches are the same."""
-
-    def __init__(self, keys: Sequence[str] | str, offset_keys_dict: dict | None = None, **kwargs):
-        self.keys = _keys(keys)
-        self.offset_keys = dict(offset_keys_dict or {})
-        self.groups = {}
-        for name, group in kwargs.items():
-            if not name.endswith("_keys"):
-                raise UserError(f"Collect: unknown argument {name!r}; feature groups are named <name>_keys, "
-                                "e.g. feat_keys=('coord', 'energy')")
-            if _keys(group):
-                self.groups[name[: -len("_keys")]] = _keys(group)
-
-    def __call__(self, data: dict) -> dict:
-        wanted = self.keys + tuple(self.offset_keys.values()) + tuple(k for g in self.groups.values() for k in g)
-        missing = [k for k in dict.fromkeys(wanted) if k not in data]
-        if missing:
-            raise UserError(f"Collect: the event has no {missing} (available: {sorted(data)})")
-        out = {k: data[k] for k in self.keys}
-        for name, source in self.offset_keys.items():
-            count = len(data[source])
-            out[name] = torch.tensor([count]) if isinstance(data[source], torch.Tensor) else np.array([count])
-        for name, group in self.groups.items():
-            cols = [data[k] for k in group]
-            if all(isinstance(c, torch.Tensor) for c in cols):
-                out[name] = torch.cat([_as_columns(c).float() for c in cols], dim=1)
-            else:
-                out[name] = np.concatenate([_as_columns(np.asarray(c, dtype=np.float32)) for c in cols], axis=1)
-        return out
-
-
-def _as_columns(x):
-    """(N,) -> (N,1); (N,a,b,...) -> (N,a*b*...); explicit so empty events work."""
-    return x.reshape(x.shape[0], int(np.prod(x.shape[1:], dtype=np.int64)))
-
-
+# Placed last: these modules import the helpers above.
+from .packing import Collect, ToTensor  # noqa: E402  (registered there)
 from .voxelize import GridSample  # noqa: E402  (registers it next to the other transforms)
 
 __all__ += ["GridSample"]
