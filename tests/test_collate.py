@@ -98,3 +98,30 @@ def test_dataloader_with_generator_and_transforms():
     assert batch["num_instances"].shape == (2,)
     assert ds.collate_fn is collate_fn  # default batching for trainers that name none
     assert DataLoader(ds, batch_size=3, collate_fn=ds.collate_fn).__iter__().__next__()["offset"].shape == (3,)
+
+
+def test_offset_keys_become_cumulative_and_private_keys_are_dropped():
+    batch = make_batch((3, 5, 2))
+    for b in batch:
+        n = len(b["coord"])
+        b["offset"] = torch.tensor([99])  # whatever Collect stored, offset follows the points
+        b["origin_offset"] = torch.tensor([n + 1])  # a per-event count, as Collect(offset_keys_dict=...) writes
+        b["_debug"] = object()
+    out = collate_fn(batch)
+    assert out["offset"].tolist() == [3, 8, 10]
+    assert out["origin_offset"].tolist() == [4, 10, 13]
+    assert "_debug" not in out
+    # a cumulative entry (an event that was itself a batch) is split back into counts
+    nested = [dict(coord=torch.zeros(4, 3), sub_offset=torch.tensor([1, 4])),
+              dict(coord=torch.zeros(2, 3), sub_offset=torch.tensor([2]))]
+    assert collate_fn(nested)["sub_offset"].tolist() == [1, 4, 6]
+
+
+def test_mixing_keeps_instances_of_merged_events_apart():
+    batch = make_batch((3, 5, 2))  # instances per event: [-1, 0, 1], [-1, 0..3], [-1, 0]
+    mixed = point_collate_fn(batch, mix_prob=1.0)
+    assert mixed["offset"].tolist() == [8, 10]
+    # event 1 is merged into event 0: its ids move past event 0's max (1) + 1
+    assert mixed["instance"].tolist() == [-1, 0, 1, -1, 2, 3, 4, 5, -1, 0]
+    assert batch[1]["instance"].tolist() == [-1, 0, 1, 2, 3]  # inputs not modified
+    assert point_collate_fn(batch, mix_prob=0.0)["instance"].tolist() == [-1, 0, 1, -1, 0, 1, 2, 3, -1, 0]

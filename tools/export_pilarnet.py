@@ -1,11 +1,14 @@
 """Export synthetic LArTPC events to PILArNet-M style HDF5 files.
 
     python tools/export_pilarnet.py --out DIR --num-events N --seed S --split train \
-        [--events-per-file K] [--voxel-size V] [--overwrite]
+        [--events-per-file K] [--voxel-size V] [--revision v2] [--overwrite]
 
-Writes ``DIR/<split>/lartpc_s<seed>_<part>.h5`` (plus the ``_points.npy``
-index next to each), which ``PILArNetH5Dataset(data_root=DIR, split=...)``
-reads back. Event ``i`` of the export is event ``i`` of
+Writes ``DIR/<split>/lartpc_s<seed>_<part>.h5`` in the PILArNet-M layout of
+``--revision`` (v1, v2 -- the default -- or v3; see docs/pilarnet.md), plus
+the ``<part>_points.npy`` per-event point counts next to each file that
+upstream pimm's reader (and ours) use to filter by ``min_points`` without
+reading every event. ``PILArNetH5Dataset(data_root=DIR, split=...)`` -- ours
+or upstream's -- reads them back. Event ``i`` of the export is event ``i`` of
 ``LArTPCSynthDataset(seed=S, split=split)``, so exports are reproducible.
 Existing files are never overwritten unless ``--overwrite`` is given, which
 also removes leftover parts of an earlier export with the same seed. Bad
@@ -23,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pimm.datasets.lartpc import LArTPCSynthDataset  # noqa: E402
-from pimm.datasets.pilarnet import write_pilarnet_h5  # noqa: E402
+from pimm.datasets.pilarnet import REVISIONS, write_pilarnet_h5  # noqa: E402
 from pimm.datasets.point_dataset import SPLITS  # noqa: E402
 from pimm.utils.errors import UserError  # noqa: E402
 
@@ -41,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", default="train", help="train, val or test (default train)")
     p.add_argument("--events-per-file", type=int, default=1000, help="events per .h5 file (default 1000)")
     p.add_argument("--voxel-size", type=float, default=1.0, help="voxel size in detector units (default 1)")
+    p.add_argument("--revision", default="v2", help="PILArNet-M layout: v1, v2 or v3 (default v2)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     args = p.parse_args(argv)
     if args.num_events < 1:
@@ -51,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UserError(f"--seed must be non-negative, got {args.seed}")
     if args.split not in SPLITS:
         raise UserError(f"--split {args.split!r} is not one of {', '.join(SPLITS)}")
+    if args.revision not in REVISIONS:
+        raise UserError(f"--revision {args.revision!r} is not one of {', '.join(REVISIONS)}")
     return args
 
 
@@ -71,7 +77,7 @@ def export(args: argparse.Namespace) -> list[Path]:
     for part, path in enumerate(paths):
         start = part * args.events_per_file
         stop = min(start + args.events_per_file, args.num_events)
-        write_pilarnet_h5((dataset[i] for i in range(start, stop)), path)
+        write_pilarnet_h5((dataset[i] for i in range(start, stop)), path, revision=args.revision)
     # Parts of an earlier, larger export with the same seed would otherwise be
     # read along with the new files.
     for stale in out_dir.glob(f"lartpc_s{args.seed}_[0-9][0-9][0-9][0-9]*"):
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.num_events} events to {len(paths)} file(s) in {paths[0].parent} "
+    print(f"wrote {args.num_events} events ({args.revision}) to {len(paths)} file(s) in {paths[0].parent} "
           f"({time.perf_counter() - t0:.1f} s)")
     return 0
 

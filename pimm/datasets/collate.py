@@ -18,7 +18,11 @@ here build that layout from a list of per-event dicts and are registered in
 Values are handled by kind: arrays/tensors with a leading dimension are
 concatenated along dim 0 (per-point data, or per-event vectors that then
 line up by event), 0-d tensors and Python/numpy numbers are stacked into a
-``(B,)`` tensor, strings and other objects are gathered in a list.
+``(B,)`` tensor, strings and other objects are gathered in a list. As in
+upstream pimm, every key containing ``offset`` holds per-event point counts
+(``Collect`` writes them; cumulative ones are turned back into counts) and
+comes out cumulative over the batch -- ``offset`` itself is always the
+cumulative point count -- and keys starting with ``_`` are left out.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ def _point_count(sample: dict) -> int:
                    "it needs 'coord', 'grid_coord' or 'feat'")
 
 
+def _offset_counts(value: Any) -> torch.Tensor:
+    """Per-event counts from an ``*offset*`` entry (a count, or cumulative ends)."""
+    ends = _as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value).reshape(-1).long()
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
 @COLLATE_FNS.register_module()
 def collate_fn(batch: Sequence[dict]) -> dict:
     """Concatenate a list of events into one batch dict with ``offset``."""
@@ -73,7 +83,15 @@ def collate_fn(batch: Sequence[dict]) -> dict:
     for i, sample in enumerate(batch[1:], start=1):
         if set(sample) != set(keys):
             raise KeyError(f"event {i} of the batch has keys {sorted(sample)}, event 0 has {sorted(keys)}")
-    out = {key: _collate_values([sample[key] for sample in batch]) for key in keys if key != "offset"}
+    out = {}
+    for key in keys:
+        if key == "offset" or key.startswith("_"):
+            continue
+        values = [sample[key] for sample in batch]
+        if "offset" in key:
+            out[key] = torch.cumsum(torch.cat([_offset_counts(v) for v in values]), dim=0)
+        else:
+            out[key] = _collate_values(values)
     counts = torch.tensor([_point_count(sample) for sample in batch], dtype=torch.long)
     out["offset"] = torch.cumsum(counts, dim=0)
     return out
@@ -83,12 +101,25 @@ def collate_fn(batch: Sequence[dict]) -> dict:
 def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     """:func:`collate_fn`, then with probability ``mix_prob`` (global numpy
     RNG) merge events 0+1, 2+3, ... into single events (an odd last event
-    stays alone). Only ``offset`` changes; per-event entries such as ``name``
-    keep one element per original event, and instance ids are not
-    renumbered (use :func:`inseg_collate_fn` for instance targets)."""
+    stays alone; upstream's Mix3D-style mixing). The points do not move:
+    ``offset`` loses every other boundary, and the non-negative ``instance``
+    ids of each second event are shifted past the first one's (its max + 1;
+    upstream shifts by the max, which merges two instances) so a merged event
+    never has two particles with one id. Per-event entries such as ``name``
+    keep one element per original event."""
     out = collate_fn(batch)
     if mix_prob > 0 and np.random.rand() < mix_prob:
         offset = out["offset"]
+        if "instance" in out and isinstance(out["instance"], torch.Tensor):
+            instance = out["instance"].clone()
+            starts = torch.cat([offset.new_zeros(1), offset[:-1]]).tolist()
+            for first in range(0, len(offset) - 1, 2):
+                a, b, c = starts[first], int(offset[first]), int(offset[first + 1])
+                head = instance[a:b]
+                shift = int(head.max()) + 1 if head.numel() and int(head.max()) >= 0 else 0
+                tail = instance[b:c]
+                instance[b:c] = torch.where(tail >= 0, tail + shift, tail)
+            out["instance"] = instance
         merged = offset[1::2]
         if len(offset) % 2 == 1:
             merged = torch.cat([merged, offset[-1:]])

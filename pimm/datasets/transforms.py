@@ -1,23 +1,35 @@
-"""Per-event point-cloud transforms (augmentation, voxel sampling, packing).
+"""Per-event point-cloud transforms (augmentation, normalisation, packing).
 
 Each transform is a callable ``data_dict -> data_dict`` registered in
-``TRANSFORMS`` so configs can list them by name; :class:`Compose` chains a list
-of configs. Events are dicts whose *per-point* entries are arrays with one row
-per point (``coord``, ``energy``, ``segment``, ``instance``, ``interaction``,
-``grid_coord``, ...): any numpy array or tensor whose first dimension equals
-``len(data["coord"])`` is treated as per-point, so transforms that drop or
-reorder points keep every such key aligned. Keep per-event arrays of that
-length out of the dict (or add them after sampling).
+``TRANSFORMS`` so configs list them by name; :class:`Compose` chains a list of
+configs. Names, arguments and meanings follow upstream pimm (Pointcept
+lineage), so an upstream ``transform=[...]`` list runs unchanged; where pimm
+adds an option, upstream's default behaviour is kept. Voxel down-sampling
+(:class:`~pimm.datasets.voxelize.GridSample`) and the final packing steps
+(:mod:`pimm.datasets.packing`: ``ToTensor``, ``Collect``) live in their own
+modules and are re-exported here.
 
-Randomness: random transforms draw from the *global* numpy RNG
-(``np.random.*``) and hold no RNG of their own. The engine seeds that RNG per
-sample in data workers and checkpoints it in the main process, which is what
-makes augmentation replay exactly on resume. Apply random/geometric transforms
-before :class:`ToTensor` (they expect numpy arrays).
+Which entries are per point: the keys listed in ``data["index_valid_keys"]``
+when an event carries that list (upstream's mechanism, set with
+:class:`Update`), otherwise every numpy array or tensor whose first dimension
+equals ``len(data["coord"])`` -- except the ``origin_*`` copies kept for
+mapping predictions back to the full-resolution event, and ``inverse`` /
+``index`` / ``offset`` bookkeeping. Transforms that drop or reorder points
+keep all per-point entries aligned.
+
+Transforms return a new dict and never write into the arrays they were given
+(upstream edits in place; results are the same).
+
+Randomness: random transforms draw from the *global* numpy RNG and hold no
+RNG of their own. The engine seeds that RNG per sample in data workers and
+checkpoints it in the main process, which is what makes augmentation replay
+exactly on resume. Apply geometric transforms before
+:class:`~pimm.datasets.packing.ToTensor`.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,11 +39,13 @@ from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
 __all__ = [
-    "Compose", "NormalizeCoord", "GridSample", "RandomRotate", "RandomFlip", "RandomJitter",
-    "RandomScale", "ShufflePoint", "LogTransform", "ToTensor", "Collect", "index_points",
+    "Compose", "Copy", "Update", "NormalizeCoord", "RandomRotate", "RandomFlip", "RandomJitter",
+    "RandomScale", "ShufflePoint", "LogTransform", "ToTensor", "Collect", "index_points", "point_keys",
 ]
 
 _AXES = {"x": 0, "y": 1, "z": 2, 0: 0, 1: 1, 2: 2}
+# Bookkeeping entries whose length may equal the point count by coincidence.
+_NOT_PER_POINT = frozenset({"inverse", "index", "offset", "index_valid_keys"})
 
 
 def _num_points(data: dict) -> int:
@@ -40,17 +54,23 @@ def _num_points(data: dict) -> int:
     return len(data["coord"])
 
 
-def _is_point_array(value: Any, n: int) -> bool:
-    return isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim >= 1 and len(value) == n
+def point_keys(data: dict) -> list[str]:
+    """The per-point entries of an event (see the module doc)."""
+    if "index_valid_keys" in data:
+        return [k for k in data["index_valid_keys"] if k in data]
+    n = _num_points(data)
+    return [k for k, v in data.items()
+            if isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim >= 1 and len(v) == n
+            and k not in _NOT_PER_POINT and not k.startswith("origin_")]
 
 
 def index_points(data: dict, index: np.ndarray) -> dict:
-    """Select/reorder the points of every per-point entry with ``index``."""
-    n = _num_points(data)
+    """A new event with every per-point entry indexed by ``index`` (select or
+    reorder points); the other entries are shared."""
     out = dict(data)
-    for key, value in data.items():
-        if _is_point_array(value, n):
-            out[key] = value[torch.as_tensor(index)] if isinstance(value, torch.Tensor) else value[index]
+    for key in point_keys(data):
+        value = data[key]
+        out[key] = value[torch.as_tensor(index)] if isinstance(value, torch.Tensor) else value[index]
     return out
 
 
@@ -58,6 +78,23 @@ def _axis(axis: Any) -> int:
     if axis not in _AXES:
         raise UserError(f"axis {axis!r} is not one of 'x', 'y', 'z' (or 0, 1, 2)")
     return _AXES[axis]
+
+
+def _keys(keys: Any) -> tuple:
+    return tuple(keys) if isinstance(keys, (list, tuple)) else (keys,)
+
+
+def _require(data: dict, key: str, owner: str) -> Any:
+    if key not in data:
+        raise UserError(f"{owner}: the event has no {key!r} (keys: {sorted(data)})")
+    return data[key]
+
+
+def _range(value: Any, default: tuple, owner: str, name: str) -> tuple[float, float]:
+    low, high = default if value is None else value
+    if low > high:
+        raise UserError(f"{owner}: {name}={value!r} must be a (low, high) range with low <= high")
+    return float(low), float(high)
 
 
 @TRANSFORMS.register_module()
@@ -80,33 +117,75 @@ class Compose:
 
 
 @TRANSFORMS.register_module()
+class Copy:
+    """Copy entries to new names: ``keys_dict={source: destination}``.
+
+    The default keeps ``coord`` and ``segment`` as ``origin_coord`` /
+    ``origin_segment`` (untouched by later sampling, for evaluating at full
+    resolution); ``keys_dict={"segment_motif": "segment"}`` picks the PILArNet
+    label to train on. Destinations are independent copies."""
+
+    def __init__(self, keys_dict: dict | None = None):
+        self.keys_dict = dict(coord="origin_coord", segment="origin_segment") if keys_dict is None else dict(keys_dict)
+
+    def __call__(self, data: dict) -> dict:
+        out = dict(data)
+        for source, destination in self.keys_dict.items():
+            value = _require(data, source, "Copy")
+            if isinstance(value, np.ndarray):
+                out[destination] = value.copy()
+            elif isinstance(value, torch.Tensor):
+                out[destination] = value.clone().detach()
+            else:
+                out[destination] = copy.deepcopy(value)
+        return out
+
+
+@TRANSFORMS.register_module()
+class Update:
+    """Set entries to fixed values: ``keys_dict={key: value}``. Mostly used to
+    set ``index_valid_keys``, the list of per-point entries later transforms
+    keep aligned (see the module doc)."""
+
+    def __init__(self, keys_dict: dict | None = None):
+        self.keys_dict = dict(keys_dict or {})
+
+    def __call__(self, data: dict) -> dict:
+        out = dict(data)
+        out.update(copy.deepcopy(self.keys_dict))
+        return out
+
+
+@TRANSFORMS.register_module()
 class NormalizeCoord:
-    """Center ``coord`` and scale it into a unit sphere or box.
+    """``coord = (coord - center) / scale``.
 
-    ``center``: ``"mean"`` (centroid), ``"box"`` (bounding-box centre) or a
-    fixed 3-vector. ``scale``: ``None`` divides by the event's own extent --
-    the largest distance from the centre (``mode="sphere"``, result inside the
-    unit ball) or the largest half-side of the bounding box (``mode="box"``,
-    result inside [-1, 1]^3); a number divides by that fixed value instead,
-    which keeps sizes comparable across events (e.g. ``scale=384`` for the
-    768-unit LArTPC cube)."""
+    ``center``: ``None`` or ``"mean"`` (the centroid, upstream's default),
+    ``"box"`` (bounding-box centre) or a fixed 3-vector. ``scale``: ``None``
+    divides by the event's own extent -- the largest distance from the centre
+    (``mode="sphere"``, upstream's only mode: result inside the unit ball) or
+    the largest half-side of the bounding box (``mode="box"``: inside
+    [-1, 1]^3); a number divides by that value, which keeps sizes comparable
+    across events (PILArNet: ``center=[384]*3``, ``scale=768*sqrt(3)/2``)."""
 
-    def __init__(self, center: str | Sequence[float] = "mean", scale: float | None = None,
+    def __init__(self, center: str | Sequence[float] | None = None, scale: float | None = None,
                  mode: str = "sphere"):
         if mode not in ("sphere", "box"):
             raise UserError(f"NormalizeCoord mode={mode!r}: use 'sphere' or 'box'")
         if isinstance(center, str) and center not in ("mean", "box"):
-            raise UserError(f"NormalizeCoord center={center!r}: use 'mean', 'box' or a 3-vector")
-        if scale is not None and scale <= 0:
-            raise UserError(f"NormalizeCoord scale={scale!r} must be positive")
+            raise UserError(f"NormalizeCoord center={center!r}: use None, 'mean', 'box' or a 3-vector")
+        if scale is not None and (isinstance(scale, bool) or not scale > 0):
+            raise UserError(f"NormalizeCoord scale={scale!r} must be a positive number or None")
         self.center, self.scale, self.mode = center, scale, mode
 
     def __call__(self, data: dict) -> dict:
-        coord = np.asarray(data["coord"], dtype=np.float64)
+        coord = np.asarray(_require(data, "coord", "NormalizeCoord"), dtype=np.float64)
         if len(coord) == 0:
             return data
-        if isinstance(self.center, str):
-            c = coord.mean(0) if self.center == "mean" else (coord.min(0) + coord.max(0)) / 2
+        if self.center is None or self.center == "mean":
+            c = coord.mean(0)
+        elif isinstance(self.center, str):
+            c = (coord.min(0) + coord.max(0)) / 2
         else:
             c = np.asarray(self.center, dtype=np.float64)
         coord = coord - c
@@ -116,75 +195,26 @@ class NormalizeCoord:
             s = np.sqrt((coord**2).sum(1)).max()
         else:
             s = np.abs(coord).max()
-        data = dict(data)
-        data["coord"] = (coord / (s if s > 0 else 1.0)).astype(np.float32)
-        return data
-
-
-@TRANSFORMS.register_module()
-class GridSample:
-    """Voxel down-sampling: keep one point per ``grid_size`` cell.
-
-    ``mode="train"`` keeps a random point of each cell (global numpy RNG);
-    ``mode="test"`` keeps the first point of each cell in input order, or with
-    ``reduce="mean"`` averages the floating-point per-point entries over the
-    cell (integer entries such as labels come from its first point).
-    Output points are ordered by cell. ``return_grid_coord=True`` adds
-    ``grid_coord`` (N,3) int64: ``floor((coord - coord.min(0)) / grid_size)``.
-    """
-
-    def __init__(self, grid_size: float | Sequence[float] = 0.01, mode: str = "train",
-                 reduce: str = "first", return_grid_coord: bool = False):
-        if mode not in ("train", "test"):
-            raise UserError(f"GridSample mode={mode!r}: use 'train' or 'test'")
-        if reduce not in ("first", "mean"):
-            raise UserError(f"GridSample reduce={reduce!r}: use 'first' or 'mean'")
-        if np.any(np.asarray(grid_size, dtype=float) <= 0):
-            raise UserError(f"GridSample grid_size={grid_size!r} must be positive")
-        self.grid_size = np.asarray(grid_size, dtype=np.float64)
-        self.mode, self.reduce, self.return_grid_coord = mode, reduce, return_grid_coord
-
-    def __call__(self, data: dict) -> dict:
-        coord = np.asarray(data["coord"], dtype=np.float64)
-        n = len(coord)
-        if n == 0:
-            out = dict(data)
-            if self.return_grid_coord:
-                out["grid_coord"] = np.zeros((0, 3), dtype=np.int64)
-            return out
-        grid = np.floor((coord - coord.min(0)) / self.grid_size).astype(np.int64)
-        dims = grid.max(0) + 1
-        key = (grid[:, 0] * dims[1] + grid[:, 1]) * dims[2] + grid[:, 2]
-        order = np.argsort(key, kind="stable")
-        _, starts, counts = np.unique(key[order], return_index=True, return_counts=True)
-        if self.mode == "train":
-            pick = order[starts + (np.random.rand(len(starts)) * counts).astype(np.int64)]
-        else:
-            pick = order[starts]
-        out = index_points(data, pick)
-        if self.mode == "test" and self.reduce == "mean":
-            for k, value in data.items():
-                if _is_point_array(value, n) and isinstance(value, np.ndarray) \
-                        and np.issubdtype(value.dtype, np.floating):
-                    v = value[order]
-                    # Points are sorted by cell, so each cell is a contiguous run.
-                    sums = np.add.reduceat(v.reshape(n, -1).astype(np.float64), starts, axis=0)
-                    out[k] = (sums / counts[:, None]).reshape((len(starts),) + v.shape[1:]).astype(v.dtype)
-        if self.return_grid_coord:
-            out["grid_coord"] = grid[pick]
+        out = dict(data)
+        out["coord"] = (coord / (s if s > 0 else 1.0)).astype(np.float32)
         return out
 
 
 @TRANSFORMS.register_module()
 class RandomRotate:
-    """Rotate ``coord`` about ``axis`` by an angle drawn uniformly from
-    ``angle`` (in multiples of pi, so ``(-1, 1)`` is any angle), around the
-    bounding-box centre (``center=True``) or the origin; applied with
-    probability ``p``."""
+    """With probability ``p`` (1 when ``always_apply``), rotate ``coord`` (and
+    ``normal``) about ``axis`` by an angle drawn uniformly from ``angle``, in
+    multiples of pi (``None``: ``[-1, 1]``, any angle), around ``center``
+    (``None``: the bounding-box centre; else a fixed point)."""
 
-    def __init__(self, angle: Sequence[float] = (-1.0, 1.0), axis: str | int = "z",
-                 center: bool = True, p: float = 1.0):
-        self.angle, self.axis, self.center, self.p = tuple(angle), _axis(axis), center, p
+    def __init__(self, angle: Sequence[float] | None = None, center: Sequence[float] | None = None,
+                 axis: str = "z", always_apply: bool = False, p: float = 0.5):
+        if isinstance(center, bool):
+            raise UserError(f"RandomRotate center={center!r}: give None (bounding-box centre) or a 3-vector")
+        self.angle = _range(angle, (-1.0, 1.0), "RandomRotate", "angle")
+        self.center = None if center is None else np.asarray(center, dtype=np.float64)
+        self.axis, self.always_apply = _axis(axis), bool(always_apply)
+        self.p = 1.0 if always_apply else float(p)
 
     def __call__(self, data: dict) -> dict:
         if np.random.rand() >= self.p:
@@ -194,61 +224,73 @@ class RandomRotate:
         i, j = [a for a in range(3) if a != self.axis]
         rot = np.eye(3)
         rot[i, i], rot[i, j], rot[j, i], rot[j, j] = c, -s, s, c
-        coord = np.asarray(data["coord"], dtype=np.float64)
-        origin = (coord.min(0) + coord.max(0)) / 2 if self.center and len(coord) else np.zeros(3)
-        data = dict(data)
-        data["coord"] = ((coord - origin) @ rot.T + origin).astype(np.float32)
-        return data
+        coord = np.asarray(_require(data, "coord", "RandomRotate"), dtype=np.float64)
+        if self.center is not None:
+            origin = self.center
+        else:
+            origin = (coord.min(0) + coord.max(0)) / 2 if len(coord) else np.zeros(3)
+        out = dict(data)
+        out["coord"] = ((coord - origin) @ rot.T + origin).astype(np.float32)
+        if "normal" in data:
+            out["normal"] = (np.asarray(data["normal"], dtype=np.float64) @ rot.T).astype(np.float32)
+        return out
 
 
 @TRANSFORMS.register_module()
 class RandomFlip:
-    """Mirror ``coord`` along each of ``axes`` independently with probability
-    ``p`` (about the bounding-box centre, so the cloud stays in place)."""
+    """Mirror through the origin plane: for each of ``axes`` independently,
+    with probability ``p``, negate that column of ``coord`` (and ``normal``)."""
 
-    def __init__(self, p: float = 0.5, axes: Sequence[str | int] = ("x", "y", "z")):
-        self.p, self.axes = p, [_axis(a) for a in axes]
+    def __init__(self, p: float = 0.5, axes: Sequence[str] | str = ("x", "y")):
+        self.p, self.axes = float(p), [_axis(a) for a in _keys(axes)]
 
     def __call__(self, data: dict) -> dict:
-        coord = np.array(data["coord"], dtype=np.float32)
+        out = dict(data)
+        targets = [k for k in ("coord", "normal") if k in data]
+        for k in targets:
+            out[k] = np.array(data[k], dtype=np.float32)
         for a in self.axes:
-            if np.random.rand() < self.p and len(coord):
-                coord[:, a] = coord[:, a].max() + coord[:, a].min() - coord[:, a]
-        data = dict(data)
-        data["coord"] = coord
-        return data
+            if np.random.rand() < self.p:
+                for k in targets:
+                    out[k][:, a] = -out[k][:, a]
+        return out
 
 
 @TRANSFORMS.register_module()
 class RandomJitter:
-    """Add Gaussian noise of std ``sigma``, clipped to +-``clip``, to ``coord``."""
+    """With probability ``p``, add Gaussian noise of std ``sigma``, clipped to
+    +-``clip``, to each entry of ``keys`` (default ``coord``)."""
 
-    def __init__(self, sigma: float = 0.01, clip: float = 0.05):
+    def __init__(self, sigma: float = 0.01, clip: float = 0.05, keys: Sequence[str] | str = ("coord",),
+                 p: float = 1.0):
         if sigma < 0 or clip <= 0:
             raise UserError(f"RandomJitter needs sigma >= 0 and clip > 0, got {sigma}, {clip}")
-        self.sigma, self.clip = sigma, clip
+        self.sigma, self.clip, self.keys, self.p = sigma, clip, _keys(keys), float(p)
 
     def __call__(self, data: dict) -> dict:
-        coord = np.asarray(data["coord"])
-        noise = np.clip(self.sigma * np.random.randn(*coord.shape), -self.clip, self.clip)
-        data = dict(data)
-        data["coord"] = (coord + noise).astype(np.float32)
-        return data
+        if np.random.rand() >= self.p:
+            return data
+        out = dict(data)
+        for k in self.keys:
+            value = np.asarray(_require(data, k, "RandomJitter"))
+            noise = np.clip(self.sigma * np.random.randn(*value.shape), -self.clip, self.clip)
+            out[k] = (value + noise).astype(value.dtype if value.dtype.kind == "f" else np.float32)
+        return out
 
 
 @TRANSFORMS.register_module()
 class RandomScale:
-    """Multiply ``coord`` by a factor drawn from ``scale`` (one per axis when
-    ``anisotropic``), about the origin."""
+    """Multiply ``coord`` by a factor drawn uniformly from ``scale`` (``None``:
+    ``[0.95, 1.05]``), one per axis when ``anisotropic``, about the origin."""
 
-    def __init__(self, scale: Sequence[float] = (0.95, 1.05), anisotropic: bool = False):
-        self.scale, self.anisotropic = tuple(scale), anisotropic
+    def __init__(self, scale: Sequence[float] | None = None, anisotropic: bool = False):
+        self.scale, self.anisotropic = _range(scale, (0.95, 1.05), "RandomScale", "scale"), anisotropic
 
     def __call__(self, data: dict) -> dict:
         factor = np.random.uniform(*self.scale, size=3 if self.anisotropic else 1)
-        data = dict(data)
-        data["coord"] = (np.asarray(data["coord"]) * factor).astype(np.float32)
-        return data
+        out = dict(data)
+        out["coord"] = (np.asarray(_require(data, "coord", "RandomScale")) * factor).astype(np.float32)
+        return out
 
 
 @TRANSFORMS.register_module()
@@ -261,67 +303,70 @@ class ShufflePoint:
 
 @TRANSFORMS.register_module()
 class LogTransform:
-    """``data[out_key] = log1p(data[key] / scale)``: compresses the long tail
-    of deposited energies (Bragg peaks, overlapping showers) to O(1) values.
-    Negative inputs count as 0. ``out_key`` defaults to ``key`` (in place)."""
+    """Map deposited energies (long-tailed) onto about [-1, 1].
 
-    def __init__(self, key: str = "energy", scale: float = 1.0, out_key: str | None = None):
-        if scale <= 0:
-            raise UserError(f"LogTransform scale={scale!r} must be positive")
-        self.key, self.scale, self.out_key = key, scale, out_key or key
+    Upstream's form: for each of ``keys`` (default ``energy``),
+    ``2 * (log10(x + min_val) - log10(min_val)) / (log10(max_val + min_val) - log10(min_val)) - 1``
+    (``x = 0`` gives -1, ``x = max_val`` gives 1); ``log=False`` maps
+    ``[min_val, max_val]`` linearly instead. ``clip=True`` first clips ``x``
+    to ``[0, max_val]`` (log) or ``[min_val, max_val]`` (linear). A value the
+    log cannot take (``x <= -min_val``) is an error naming the key, never NaN.
+
+    pimm's earlier form is kept for existing configs and checkpoints: giving
+    ``key``, ``scale`` or ``out_key`` computes ``log1p(max(x, 0) / scale)``
+    (``scale`` default 1) from ``key`` (default ``energy``) into ``out_key``
+    (default: in place). The two forms cannot be mixed.
+    """
+
+    def __init__(self, min_val: float | None = None, max_val: float | None = None, log: bool = True,
+                 keys: Sequence[str] | str = ("energy",), clip: bool = False,
+                 key: str | None = None, scale: float | None = None, out_key: str | None = None):
+        self.legacy = key is not None or scale is not None or out_key is not None
+        if self.legacy:
+            if min_val is not None or max_val is not None:
+                raise UserError("LogTransform: give either min_val/max_val (log10 map onto [-1, 1]) or "
+                                "key/scale/out_key (log1p(x / scale)), not both")
+            self.scale = 1.0 if scale is None else scale
+            if not self.scale > 0:
+                raise UserError(f"LogTransform scale={scale!r} must be positive")
+            self.keys = (key or "energy",)
+            self.out_key = out_key or self.keys[0]
+            return
+        self.min_val = 1.0e-2 if min_val is None else float(min_val)
+        self.max_val = 20.0 if max_val is None else float(max_val)
+        self.log, self.clip, self.keys = bool(log), bool(clip), _keys(keys)
+        if self.log and not (self.min_val > 0 and self.max_val > 0):
+            raise UserError(f"LogTransform: min_val={self.min_val} and max_val={self.max_val} must be positive")
+        if not self.log and not self.max_val > self.min_val:
+            raise UserError(f"LogTransform(log=False): max_val={self.max_val} must exceed min_val={self.min_val}")
+
+    def _map(self, x: np.ndarray, key: str) -> np.ndarray:
+        if self.log:
+            if self.clip:
+                x = np.clip(x, 0.0, self.max_val)
+            shifted = x + self.min_val
+            if shifted.size and not (shifted > 0).all():
+                raise UserError(f"LogTransform: {key!r} has values <= -min_val ({-self.min_val}), whose log is "
+                                "undefined; raise min_val or pass clip=True")
+            low, high = np.log10(self.min_val), np.log10(self.max_val + self.min_val)
+            return 2.0 * (np.log10(shifted) - low) / (high - low) - 1.0
+        if self.clip:
+            x = np.clip(x, self.min_val, self.max_val)
+        return 2.0 * (x - self.min_val) / (self.max_val - self.min_val) - 1.0
 
     def __call__(self, data: dict) -> dict:
-        if self.key not in data:
-            raise UserError(f"LogTransform: the event has no {self.key!r} (keys: {sorted(data)})")
-        value = np.asarray(data[self.key], dtype=np.float32)
-        data = dict(data)
-        data[self.out_key] = np.log1p(np.maximum(value, 0.0) / self.scale).astype(np.float32)
-        return data
-
-
-@TRANSFORMS.register_module()
-class ToTensor:
-    """Convert numpy arrays (and numpy scalars) to torch tensors, keeping the
-    dtype except float64 -> float32; other values are left as they are."""
-
-    def __call__(self, data: dict) -> dict:
-        out = {}
-        for key, value in data.items():
-            if isinstance(value, np.ndarray) and value.dtype != object:
-                value = torch.from_numpy(np.ascontiguousarray(value))
-                if value.dtype == torch.float64:
-                    value = value.float()
-            elif isinstance(value, np.generic):
-                value = torch.as_tensor(value.item())
-            out[key] = value
-        return out
-
-
-@TRANSFORMS.register_module()
-class Collect:
-    """Keep only ``keys`` and build ``feat`` by concatenating ``feat_keys``
-    along dim 1 (1-D entries become one column). Works on numpy arrays and
-    tensors; ``feat`` is float32."""
-
-    def __init__(self, keys: Sequence[str] = ("coord", "segment"),
-                 feat_keys: Sequence[str] = ("coord", "energy")):
-        self.keys = (keys,) if isinstance(keys, str) else tuple(keys)
-        self.feat_keys = (feat_keys,) if isinstance(feat_keys, str) else tuple(feat_keys)
-
-    def __call__(self, data: dict) -> dict:
-        missing = [k for k in self.keys + self.feat_keys if k not in data]
-        if missing:
-            raise UserError(f"Collect: the event has no {missing} (available: {sorted(data)})")
-        out = {k: data[k] for k in self.keys}
-        if self.feat_keys:
-            cols = [data[k] for k in self.feat_keys]
-            if all(isinstance(c, torch.Tensor) for c in cols):
-                out["feat"] = torch.cat([_as_columns(c).float() for c in cols], dim=1)
+        out = dict(data)
+        for key in self.keys:
+            value = np.asarray(_require(data, key, "LogTransform"), dtype=np.float64)
+            if self.legacy:
+                out[self.out_key] = np.log1p(np.maximum(value, 0.0) / self.scale).astype(np.float32)
             else:
-                out["feat"] = np.concatenate([_as_columns(np.asarray(c, dtype=np.float32)) for c in cols], axis=1)
+                out[key] = self._map(value, key).astype(np.float32)
         return out
 
 
-def _as_columns(x):
-    """(N,) -> (N,1); (N,a,b,...) -> (N,a*b*...); explicit so empty events work."""
-    return x.reshape(x.shape[0], int(np.prod(x.shape[1:], dtype=np.int64)))
+# Placed last: these modules import the helpers above.
+from .packing import Collect, ToTensor  # noqa: E402  (registered there)
+from .voxelize import GridSample  # noqa: E402  (registers it next to the other transforms)
+
+__all__ += ["GridSample"]

@@ -1,34 +1,44 @@
-"""ClsEvaluator: accuracy, per-class accuracy and confusion matrix of a classifier."""
+"""ClsEvaluator: accuracy, per-class accuracy and confusion matrix of a classifier.
+
+Like the segmentation evaluators, ``num_classes`` and ``class_names`` may be
+left out and are then read from ``data.num_classes`` / ``data.names``
+(:mod:`pimm.evaluation.common`).
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
+from pimm.evaluation.common import ClassesFromData, check_classes
 from pimm.evaluation.metrics import classification_scores, confusion_matrix
 
 __all__ = ["ClsEvaluator"]
 
 
 @HOOKS.register_module()
-class ClsEvaluator(EvaluatorBase):
+class ClsEvaluator(ClassesFromData, EvaluatorBase):
     """Reads ``output[logits_key]`` (B, K) and ``input[target_key]`` (B,).
-    The best checkpoint follows ``acc``."""
+    ``num_classes`` / ``class_names`` default to ``data.num_classes`` /
+    ``data.names``. The best checkpoint follows ``acc``."""
 
     metric_name = "acc"
 
-    def __init__(self, num_classes: int, class_names=None, logits_key: str = "cls_logits",
-                 target_key: str = "label", every_n_steps: int | None = None):
-        super().__init__(every_n_steps=every_n_steps)
-        if class_names is not None and len(class_names) != num_classes:
-            raise ValueError(f"class_names has {len(class_names)} names for num_classes={num_classes}")
-        self.num_classes = num_classes
-        self.class_names = list(class_names) if class_names else [str(i) for i in range(num_classes)]
+    def __init__(self, num_classes: int | None = None, class_names: Sequence[str] | None = None,
+                 logits_key: str = "cls_logits", target_key: str = "label", every_n_steps: int | None = None):
+        super().__init__(every_n_steps=None if every_n_steps == 0 else every_n_steps)
+        self.num_classes, self.class_names = check_classes(type(self).__name__, num_classes, class_names)
+        # Every label counts in classification; -1 only tells the shared
+        # resolver that nothing needs to be taken from data.ignore_index.
+        self.ignore_index = -1
         self.logits_key, self.target_key = logits_key, target_key
         self._conf = None
 
     def reset(self):
+        self.require_classes()
         self._conf = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64, device=self.trainer.device)
 
     def process(self, input_dict, output_dict):

@@ -1,10 +1,15 @@
-"""SemSegEvaluator: per-point semantic segmentation scores (IoU, accuracy).
+"""SemSegEvaluator: per-point semantic segmentation scores (IoU, accuracy,
+precision, F1).
 
 Every batch adds its ``(K, K)`` confusion matrix (rows = target class,
 columns = predicted class) to one int64 accumulator on the trainer's device.
 Counts add exactly, so summing them over batches and then over ranks gives
 the same matrix as evaluating the whole split at once; the scores are only
 derived from the summed matrix in :meth:`SemSegEvaluator.compute`.
+
+The number of classes, their names and the ignore label may be left out: they
+then come from ``data.num_classes`` / ``data.names`` / ``data.ignore_index``
+(upstream pimm's convention, see :mod:`pimm.evaluation.common`).
 """
 
 from __future__ import annotations
@@ -16,29 +21,14 @@ import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
+from pimm.evaluation.common import ClassesFromData, check_classes, resolve_class_names
 from pimm.evaluation.metrics import confusion_matrix, segmentation_scores
 from pimm.utils.errors import ConfigError
 
-__all__ = ["SemSegEvaluator", "resolve_class_names"]
+__all__ = ["SemSegEvaluator", "resolve_class_names", "format_score"]
 
-
-def resolve_class_names(evaluator: str, num_classes, class_names: Sequence[str] | None) -> list[str]:
-    """Validate ``num_classes`` / ``class_names`` from a config and return one
-    name per class (``"0"``, ``"1"``, ... when no names are given)."""
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
-        raise ConfigError(f"{evaluator}: num_classes must be a positive integer, got {num_classes!r}")
-    if class_names is None:
-        return [str(i) for i in range(num_classes)]
-    if isinstance(class_names, str):
-        raise ConfigError(f"{evaluator}: class_names must be a list of names, got the string {class_names!r}")
-    names = [str(n) for n in class_names]
-    if len(names) != num_classes:
-        raise ConfigError(f"{evaluator}: class_names has {len(names)} names for num_classes={num_classes}; "
-                          f"give one name per class")
-    if len(set(names)) != len(names):
-        # Names become metric keys (iou_<name>); duplicates would overwrite each other.
-        raise ConfigError(f"{evaluator}: class_names must be unique, got {names}")
-    return names
+#: Output key upstream pimm's models may use instead of ``seg_logits``.
+_ALT_LOGITS_KEY = "sem_logits"
 
 
 def format_score(value: float) -> str:
@@ -46,45 +36,104 @@ def format_score(value: float) -> str:
     return "   nan" if math.isnan(value) else f"{value:.4f}"
 
 
+def _mean(values: list[float], keep: list[bool]) -> float:
+    """Mean of the defined (non-nan) values of the kept classes."""
+    chosen = [v for v, k in zip(values, keep) if k and not math.isnan(v)]
+    return sum(chosen) / len(chosen) if chosen else math.nan
+
+
+def _precision_f1(conf: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per-class precision (nan for a class never predicted) and F1 (nan for a
+    class absent from both target and prediction)."""
+    conf = conf.detach().to("cpu", torch.float64)
+    hit, in_pred, in_target = conf.diagonal(), conf.sum(dim=0), conf.sum(dim=1)
+    precision = [h / p if p > 0 else math.nan for h, p in zip(hit.tolist(), in_pred.tolist())]
+    f1 = [2 * h / (p + t) if p + t > 0 else math.nan
+          for h, p, t in zip(hit.tolist(), in_pred.tolist(), in_target.tolist())]
+    return precision, f1
+
+
 @HOOKS.register_module()
-class SemSegEvaluator(EvaluatorBase):
+class SemSegEvaluator(ClassesFromData, EvaluatorBase):
     """Semantic segmentation of point clouds.
 
-    Reads ``output[logits_key]`` (N, K) and ``input[target_key]`` (N,); points
-    whose target is ``ignore_index`` are left out. :meth:`compute` returns
+    Reads ``output[logits_key]`` (N, K) -- ``sem_logits`` is accepted when the
+    default ``seg_logits`` is absent -- and ``input[target_key]`` ((N,) or
+    (N, 1)); points whose target is ``ignore_index`` are left out.
 
-    * ``mIoU``, ``mAcc``, ``allAcc`` (floats; means skip undefined classes),
-    * ``iou_<name>`` / ``acc_<name>`` per class: IoU is nan for a class absent
-      from both target and prediction, accuracy (recall) nan for a class absent
-      from the target,
-    * ``points`` (per-class target point counts) and ``confusion`` (nested
-      lists, rows = target), which are not logged as scalars.
+    Args:
+        num_classes, class_names, ignore_index: ``None`` takes them from
+            ``data.num_classes``, ``data.names``, ``data.ignore_index`` (else -1).
+        every_n_steps: evaluate every that many optimizer steps; ``None`` or
+            ``0`` (upstream's spelling) after every epoch.
+        write_cls_iou: log the per-class scores as scalars (``True``) or keep
+            them only in the returned ``per_class`` table (``False``).
+        macro_ignore_class_ids: classes left out of the means (``mIoU``,
+            ``mAcc``, ``mPrecision``, ``mRecall``, ``mF1``); they still have
+            per-class scores.
+        per_instance_metrics: upstream's majority-vote instance metrics are
+            not implemented; ``True`` is a ``ConfigError`` (use
+            ``InsSegEvaluator``).
 
-    The best checkpoint follows ``mIoU``.
+    :meth:`compute` returns ``mIoU``, ``mAcc``, ``allAcc``, ``mPrecision``,
+    ``mRecall`` (= ``mAcc``), ``mF1`` and, per class, ``iou_<name>``,
+    ``acc_<name>``, ``precision_<name>``, ``f1_<name>`` (nan where undefined:
+    IoU and F1 for a class absent from target and prediction, accuracy for one
+    absent from the target, precision for one never predicted; means skip
+    nan), plus ``points`` (per-class target counts) and ``confusion``. The
+    best checkpoint follows ``mIoU``.
     """
 
     metric_name = "mIoU"
 
-    def __init__(self, num_classes: int, ignore_index: int = -1, class_names: Sequence[str] | None = None,
-                 logits_key: str = "seg_logits", target_key: str = "segment", every_n_steps: int | None = None):
-        super().__init__(every_n_steps=every_n_steps)
-        self.class_names = resolve_class_names(type(self).__name__, num_classes, class_names)
-        self.num_classes = num_classes
+    def __init__(self, num_classes: int | None = None, ignore_index: int | None = None,
+                 class_names: Sequence[str] | None = None, logits_key: str = "seg_logits",
+                 target_key: str = "segment", every_n_steps: int | None = None, write_cls_iou: bool = True,
+                 macro_ignore_class_ids: Sequence[int] | None = None, per_instance_metrics: bool = False):
+        name = type(self).__name__
+        if per_instance_metrics:
+            raise ConfigError(f"{name}: per_instance_metrics=True (upstream's majority-vote instance metrics) "
+                              "is not supported; evaluate instances with InsSegEvaluator")
+        super().__init__(every_n_steps=None if every_n_steps == 0 else every_n_steps)
+        self.num_classes, self.class_names = check_classes(name, num_classes, class_names)
         self.ignore_index = ignore_index
         self.logits_key, self.target_key = logits_key, target_key
+        self.write_cls_iou = bool(write_cls_iou)
+        ids = list(macro_ignore_class_ids or ())
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise ConfigError(f"{name}: macro_ignore_class_ids must be class indices, got {macro_ignore_class_ids!r}")
+        self.macro_ignore_class_ids = tuple(sorted(set(ids)))
         self._conf: torch.Tensor | None = None
+        if self.num_classes is not None:
+            self._check_macro_ids()
+
+    def resolve_classes(self, data) -> None:
+        super().resolve_classes(data)
+        self._check_macro_ids()
+
+    def _check_macro_ids(self) -> None:
+        bad = [i for i in self.macro_ignore_class_ids if not 0 <= i < self.num_classes]
+        if bad:
+            raise ConfigError(f"{type(self).__name__}: macro_ignore_class_ids {bad} are not classes "
+                              f"0..{self.num_classes - 1}")
 
     def reset(self) -> None:
+        self.require_classes()
         self._conf = torch.zeros(self.num_classes, self.num_classes, dtype=torch.int64, device=self.trainer.device)
 
+    def _logits(self, output_dict: dict) -> torch.Tensor:
+        if self.logits_key in output_dict:
+            return output_dict[self.logits_key]
+        if self.logits_key == "seg_logits" and _ALT_LOGITS_KEY in output_dict:
+            return output_dict[_ALT_LOGITS_KEY]
+        raise KeyError(f"SemSegEvaluator: the model output has no {self.logits_key!r} "
+                       f"(keys: {sorted(output_dict)}); set logits_key")
+
     def process(self, input_dict: dict, output_dict: dict) -> None:
-        if self.logits_key not in output_dict:
-            raise KeyError(f"SemSegEvaluator: the model output has no {self.logits_key!r} "
-                           f"(keys: {sorted(output_dict)}); set logits_key")
+        logits = self._logits(output_dict)
         if self.target_key not in input_dict:
             raise KeyError(f"SemSegEvaluator: the batch has no {self.target_key!r} "
                            f"(keys: {sorted(input_dict)}); set target_key")
-        logits = output_dict[self.logits_key]
         if logits.dim() != 2 or logits.shape[1] != self.num_classes:
             raise ValueError(f"SemSegEvaluator: {self.logits_key!r} must be (N, {self.num_classes}), "
                              f"got {tuple(logits.shape)}")
@@ -98,22 +147,41 @@ class SemSegEvaluator(EvaluatorBase):
     def compute(self, totals: dict[str, torch.Tensor]) -> dict:
         conf = totals["confusion"]
         scores = segmentation_scores(conf)
-        metrics = {"mIoU": scores["mIoU"], "mAcc": scores["mAcc"], "allAcc": scores["allAcc"]}
-        for name, iou, acc in zip(self.class_names, scores["iou"], scores["acc"]):
-            metrics[f"iou_{name}"] = iou
-            metrics[f"acc_{name}"] = acc
+        precision, f1 = _precision_f1(conf)
+        keep = [i not in self.macro_ignore_class_ids for i in range(self.num_classes)]
+        if not any(keep):  # every class left out: the means cover all of them
+            keep = [True] * self.num_classes
+        metrics = {
+            "mIoU": _mean(scores["iou"], keep), "mAcc": _mean(scores["acc"], keep), "allAcc": scores["allAcc"],
+            "mPrecision": _mean(precision, keep), "mRecall": _mean(scores["acc"], keep), "mF1": _mean(f1, keep),
+        }
+        per_class = {}
+        for i, name in enumerate(self.class_names):
+            per_class[f"iou_{name}"] = scores["iou"][i]
+            per_class[f"acc_{name}"] = scores["acc"][i]
+            per_class[f"precision_{name}"] = precision[i]
+            per_class[f"f1_{name}"] = f1[i]
+        if self.write_cls_iou:
+            metrics.update(per_class)
+        else:
+            metrics["per_class"] = per_class  # a dict: reported, not logged as scalars
         conf = conf.detach().cpu()
         metrics["points"] = conf.sum(dim=1).tolist()
         metrics["confusion"] = conf.tolist()
         return metrics
 
     def report(self, metrics: dict) -> str:
+        per_class = metrics.get("per_class", metrics)
         width = max(len("class"), max(len(n) for n in self.class_names)) + 2
         lines = ["class".ljust(width) + "   IoU     acc   #points"]
-        for name, points in zip(self.class_names, metrics["points"]):
-            lines.append(name.ljust(width) + f"{format_score(metrics[f'iou_{name}'])}  "
-                         f"{format_score(metrics[f'acc_{name}'])}  {points:8d}")
+        for i, (name, points) in enumerate(zip(self.class_names, metrics["points"])):
+            mark = "  *" if i in self.macro_ignore_class_ids else ""
+            lines.append(name.ljust(width) + f"{format_score(per_class[f'iou_{name}'])}  "
+                         f"{format_score(per_class[f'acc_{name}'])}  {points:8d}{mark}")
         lines.append("mean".ljust(width) + f"{format_score(metrics['mIoU'])}  {format_score(metrics['mAcc'])}  "
                      f"{sum(metrics['points']):8d}")
-        lines.append(f"allAcc {format_score(metrics['allAcc'])}")
+        lines.append(f"allAcc {format_score(metrics['allAcc'])}  mPrecision {format_score(metrics['mPrecision'])}  "
+                     f"mF1 {format_score(metrics['mF1'])}")
+        if self.macro_ignore_class_ids:
+            lines.append("* left out of the means (macro_ignore_class_ids)")
         return "\n".join(lines)
