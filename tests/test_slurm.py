@@ -225,6 +225,8 @@ def test_preempted_job_requeues_and_ends_bit_identical(tmp_path):
     assert [(r["event"], r.get("restart_count")) for r in records] == [
         ("submit", None), ("start", 0), ("requeue", 0), ("start", 1), ("requeue", 1), ("start", 2)]
     assert all(r["job_id"] == job_id for r in records)
+    # torchrun ended on its own after its worker's exit 75 (1), not killed by the signal (-12)
+    assert [r["torchrun_exit"] for r in records if r["event"] == "requeue"] == [1, 1]
     assert "resume=True" not in records[1]["command"] and records[3]["command"][-1] == "resume=True"
 
     done, expected = final_weights(save_path), final_weights(reference)

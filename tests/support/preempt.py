@@ -27,7 +27,7 @@ __all__ = ["PauseForSignal"]
 class PauseForSignal(HookBase):
     priority = "LOWEST"
 
-    def __init__(self, steps=(), directory=".", signals=("SIGTERM", "SIGUSR2"), timeout_s=300.0):
+    def __init__(self, steps=(), directory=".", signals=("SIGTERM", "SIGUSR2"), timeout_s=120.0):
         self.steps, self.directory = set(steps), Path(directory)
         self.signals, self.timeout_s = list(signals), float(timeout_s)
 
