@@ -14,7 +14,6 @@ must end with the weights of an uninterrupted two-process run, bit for bit.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -81,10 +80,9 @@ def test_dry_run_prints_the_script_and_the_command_each_task_runs(tmp_path):
                              env=env, check=True).stdout.splitlines()
     args = slurm._parser().parse_args(cmd[3:])
     task = slurm.plan(args).task
-    run_env = dict(env)
     expected = torchrun_command(2, 1, 4, "node07", master_port("123456"), task.attempt_argv(0))
     assert printed == expected
-    assert Rendezvous.from_slurm(run_env) == Rendezvous(2, 1, "node07", master_port("123456"), "123456", 0)
+    assert Rendezvous.from_slurm(env) == Rendezvous(2, 1, "node07", master_port("123456"), "123456", 0)
     options = expected[expected.index("--options") + 1:]
     assert options == ["optimizer.lr=0.02", f"save_path={tmp_path / 'run'}", 'preempt_signals=["SIGTERM", "SIGUSR2"]']
     assert "resume=True" not in expected and task.attempt_argv(1)[-1] == "resume=True"
@@ -218,6 +216,10 @@ def test_preempted_job_requeues_and_ends_bit_identical(tmp_path):
         fake_slurm.wait_for_state(env, job_id, ("COMPLETED", "FAILED", "CANCELLED"), 60)
 
     assert fake_slurm.job_state(env, job_id)[1] == 2  # requeued twice, same job id
+    # The ranks see the job's variables (the engine's attempts.jsonl reads them).
+    for pause, restarts in zip(PAUSES, (None, "1")):
+        seen = json.loads((markers / f"paused-{pause}").read_text())
+        assert seen["SLURM_JOB_ID"] == job_id and seen.get("SLURM_RESTART_COUNT") == restarts, seen
     log = (save_path / "train.log").read_text()
     assert "Pre-empted by SIGUSR2 at step 8" in log and "Pre-empted by SIGUSR2 at step 16" in log
     assert "Resumed from step000000008" in log and "Resumed from step000000016" in log

@@ -187,7 +187,8 @@ def plan(args) -> JobPlan:
     save_path = Path(cfg.save_path).expanduser().absolute()
     signals = list(dict.fromkeys([*cfg.preempt_signals, "SIGTERM", warning]))
     # An absolute path is never a Python literal, so it stays a string unquoted.
-    options = [*args.options, f"save_path={save_path}", f"preempt_signals={json.dumps(signals)}"]
+    kept = [o for o in args.options if o.partition("=")[0].strip() != "save_path"]  # replaced by the absolute one
+    options = [*kept, f"save_path={save_path}", f"preempt_signals={json.dumps(signals)}"]
     _load_config(str(config_file), options, world_size)  # the job's exact options validate too
 
     workers_per_rank = cfg.num_worker // world_size

@@ -61,7 +61,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["NodeTask", "Rendezvous", "torchrun_command", "master_port", "append_record", "SUBMISSIONS_FILE"]
+__all__ = ["NodeTask", "Rendezvous", "torchrun_command", "master_port", "append_record", "child_pids",
+           "SUBMISSIONS_FILE"]
 
 SUBMISSIONS_FILE = "submissions.jsonl"
 _PORT_BASE, _PORT_SPAN = 10000, 20000  # below Linux's ephemeral range (32768+)
@@ -133,8 +134,8 @@ def torchrun_command(nnodes, node_rank, nproc_per_node: int, master_addr, master
     return cmd + list(train_argv)
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (torchrun's workers), from ``/proc``."""
+def child_pids(pid: int) -> list[int]:
+    """Living direct children of ``pid`` (torchrun's workers), from ``/proc``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -144,9 +145,9 @@ def _children(pid: int) -> list[int]:
                 stat = fh.read()
         except OSError:
             continue
-        # The command name (field 2) may hold spaces; the parent pid follows its closing bracket.
+        # The command name (field 2) may hold spaces: state and parent pid follow its closing bracket.
         fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
+        if len(fields) > 1 and fields[0] != "Z" and int(fields[1]) == pid:
             found.append(int(entry))
     return found
 
@@ -183,7 +184,7 @@ class NodeTask:
         proc = self._torchrun
         if proc is None or proc.poll() is not None:
             return
-        for pid in _children(proc.pid):
+        for pid in child_pids(proc.pid):
             try:
                 os.killpg(pid, signum)  # torchrun made each worker a session (and group) leader
             except (ProcessLookupError, PermissionError):

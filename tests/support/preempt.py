@@ -4,7 +4,8 @@ arrived, so a test can pre-empt a real multi-process run at a known step
 
 At each step in ``steps`` every rank starts listening for ``signals``
 (chaining to the engine's own handler, which still sets its flag), the ranks
-meet at a barrier, rank 0 creates ``directory/paused-<step>``, and each rank
+meet at a barrier, rank 0 creates ``directory/paused-<step>`` (holding the
+``SLURM_*`` and ``TORCHELASTIC_*`` variables it sees, as JSON), and each rank
 waits until the signal has reached it. The test sees the file, sends the
 signal its own way (SLURM, torchrun, ...) and the run stops at the next
 step where the ranks agree on pre-emption. Without the barrier a signal sent
@@ -13,6 +14,8 @@ on rank 0's word could reach a rank before it listened.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -51,7 +54,8 @@ class PauseForSignal(HookBase):
             comm.synchronize()
             if comm.is_main_process():
                 self.directory.mkdir(parents=True, exist_ok=True)
-                (self.directory / f"paused-{step}").touch()
+                seen = {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "TORCHELASTIC_"))}
+                (self.directory / f"paused-{step}").write_text(json.dumps(seen))
             deadline = time.monotonic() + self.timeout_s
             while not received:
                 if time.monotonic() > deadline:

@@ -1,9 +1,8 @@
 """The fake SLURM commands (see ``__init__.py``): ``fake.py COMMAND ARGS...``.
 
-Standard library only. A job's processes are kept together the way a cgroup
-would: the controller and each ``srun`` make themselves child subreapers, so
-a process whose parent died stays in the job's process tree and is signalled
-and killed with it.
+A job's processes are kept together the way a cgroup would: the controller
+and each ``srun`` make themselves child subreapers, so a process whose parent
+died stays in the job's process tree and is signalled and killed with it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-KILL_WAIT_S = 5.0
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from pimm.distributed.slurm_task import child_pids  # noqa: E402  (the same /proc walk as the node task)
+
+KILL_WAIT_S = 2.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -40,21 +42,9 @@ def _subreaper() -> None:
 
 
 def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields and fields[0] != "Z":  # zombies have exited already
-            children.setdefault(int(fields[1]), []).append(int(entry))
     found, queue = [], [root]
     while queue:
-        for child in children.get(queue.pop(), []):
+        for child in child_pids(queue.pop()):
             found.append(child)
             queue.append(child)
     return found
