@@ -44,6 +44,7 @@ class Case:
     setup: Callable[[Path], None] | None = None  # prepares the case directory before the run
     verify: Callable[[dict], None] | None = None  # further checks on the run_case result
     marks: tuple = field(default_factory=tuple)  # e.g. an xfail for a known bug
+    env: dict = field(default_factory=dict)  # extra environment variables
 
 
 def _missing_config(directory: Path) -> Path:
@@ -67,8 +68,61 @@ def _existing_run(directory: Path) -> None:
     (run / "metrics.jsonl").write_text('{"step": 1, "epoch": 1, "train/loss": 0.5}\n')
 
 
+def _config_calling_exit(directory: Path) -> Path:
+    path = directory / "exits_cfg.py"
+    path.write_text("import sys\nepoch = 3\nsys.exit(3)\n")
+    return path
+
+
+def _config_raising(directory: Path) -> Path:
+    path = directory / "raises_cfg.py"
+    path.write_text("epoch = 3\nraise RuntimeError('no GPU quota left')\n")
+    return path
+
+
+def _a_file_named_save(directory: Path) -> None:
+    (directory / "save").write_text("not a directory\n")
+
+
+def _model_best_only(directory: Path) -> None:
+    import torch
+
+    (directory / "save" / "model").mkdir(parents=True)
+    torch.save({"state_dict": {}}, directory / "save" / "model" / "model_best.pth")
+
+
+def _only_damaged_checkpoints(directory: Path) -> None:
+    for step in (5, 10):
+        folder = directory / "save" / "checkpoints" / f"step{step:09d}-epoch0000"
+        folder.mkdir(parents=True)
+        (folder / "COMMITTED").write_text('{"global_step": %d, "files": {"common.pth": {"size": 9, "crc32": 1}}}' % step)
+        (folder / "common.pth").write_bytes(b"truncated")
+
+
+def _other_model_weights(directory: Path) -> None:
+    """A model file of a ToyMLP with another hidden width (tools/test.py must refuse it)."""
+    import torch
+
+    from tests.support.toy import ToyMLP
+
+    torch.save({"state_dict": ToyMLP(hidden=16).state_dict()}, directory / "other.pth")
+
+
+def _checkpoint_of_another_model(directory: Path) -> None:
+    from pimm.engines.state.manager import CheckpointManager
+    from tests.support.toy import ToyMLP
+
+    manager = CheckpointManager(directory / "save" / "checkpoints")
+    manager.register("model", ToyMLP(hidden=16))
+    manager.save(5, 0)
+
+
 def _left_byte_identical(result: dict) -> None:
     assert len(result["before"]) == 5 and result["after"] == result["before"]
+
+
+def _left_unchanged(result: dict) -> None:
+    assert result["before"] and result["after"] == result["before"]
 
 
 def _code_not_run(result: dict) -> None:
@@ -103,6 +157,40 @@ CASES = [
     Case("evaluate_is_a_string", ("evaluate='no'", "True or False"), options=("evaluate=no",)),
     Case("num_worker_negative", ("num_worker=-1", "integer >= 0"), options=("num_worker=-1",)),
     Case("zero_processes", ("--num-gpus 0",), num_gpus=0),
+    Case("missing_model", ("no `model`",), options=("model=None",)),
+    Case("missing_optimizer", ("no `optimizer`",), options=("optimizer=None",)),
+    Case("missing_train_data", ("data.train",), options=("data.train=None",)),
+    Case("weight_is_a_directory", ("weight=", "no such file"), options=("weight=.",)),
+    Case("save_path_is_a_file", ("save_path=", "is a file"), setup=_a_file_named_save),
+    Case("save_path_cannot_be_created", ("save",), options=("save_path=save/sub",), setup=_a_file_named_save),
+    Case("config_calls_sys_exit", ("exits_cfg.py:3", "SystemExit"), config=_config_calling_exit),
+    Case("config_raises", ("raises_cfg.py:2", "no GPU quota left"), config=_config_raising),
+    Case("num_gpus_with_torchrun_variables", ("--num-gpus", "WORLD_SIZE"), num_gpus=2,
+         env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}),
+    Case("world_size_not_a_number", ("WORLD_SIZE='two'",), env={"WORLD_SIZE": "two"}),
+    Case("rank_out_of_range", ("RANK=5", "WORLD_SIZE=2"),
+         env={"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}),
+    Case("peers_never_come", ("distributed start-up failed", "PIMM_DIST_INIT_TIMEOUT"),
+         env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998",
+              "PIMM_DIST_INIT_TIMEOUT": "3"}),
+    Case("evaluator_without_val_split", ("ClsEvaluator", "data.val"), options=("data.val=None",)),
+    Case("empty_training_set", ("data.train (ToyDataset) is empty",), options=("data.train.num_samples=0",)),
+    Case("model_files_of_an_earlier_run", ("already holds model files", "resume=True"), setup=_model_best_only,
+         verify=_left_unchanged),
+    Case("resume_with_only_damaged_checkpoints", ("step000000010-epoch0000", "step000000005-epoch0000",
+                                                  "allow_fresh"), options=("resume=True",),
+         setup=_only_damaged_checkpoints),
+    Case("resume_with_another_model", ("does not fit model ToyMLP", "net.0.weight"), options=("resume=True",),
+         setup=_checkpoint_of_another_model),
+    Case("first_forward_fails", ("ToyMLP", "first training batch", "mat1 and mat2"), options=("model.dim=4",)),
+    Case("first_forward_fails_on_two_ranks", ("ToyMLP", "first training batch"), options=("model.dim=4",),
+         num_gpus=2),
+    Case("broken_data_sample", ("BrokenSampleDataset", "sample 5", "corrupt record at offset 640"),
+         options=("data.train.type=BrokenSampleDataset",)),
+    Case("broken_data_sample_in_a_worker", ("BrokenSampleDataset", "sample 5", "corrupt record"),
+         options=("data.train.type=BrokenSampleDataset", "num_worker=2")),
+    Case("test_tool_with_weights_that_do_not_fit", ("other.pth", "net.0.weight", "shape mismatch"), tool="test",
+         options=("weight=other.pth",), setup=_other_model_weights),
     Case("unknown_cli_flag", ("--bogus",), argv=("--bogus",)),
     Case("test_tool_without_weight", ("weight",), tool="test"),
 ]
@@ -124,6 +212,7 @@ def _snapshot(directory: Path) -> dict[str, str]:
 
 
 def run_case(case: Case, directory: Path, extra_env: dict | None = None) -> dict:
+    extra_env = {**case.env, **(extra_env or {})}
     directory.mkdir(parents=True, exist_ok=True)
     save_path = directory / "save"
     cfg_path = case.config(directory) if case.config else write_toy_config(directory, save_path, case.extra)

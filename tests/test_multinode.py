@@ -33,7 +33,7 @@ from tests.support.run import final_weights, train_losses, write_toy_config  # n
 
 pytestmark = pytest.mark.slow
 
-PAUSE = 7  # with preempt_check_every=4 the ranks stop at step 8 (mid-epoch)
+PAUSE = 7  # with stop_check_every=4 the ranks stop at step 8 (mid-epoch)
 LIMIT_S = 240
 
 
@@ -76,7 +76,7 @@ def test_two_torchrun_nodes_sigterm_then_resume_is_bit_identical(tmp_path):
     markers = tmp_path / "markers"
     cfg = write_toy_config(tmp_path, tmp_path / "unused", f'''
 custom_imports = ["tests.support.toy", "tests.support.preempt"]
-train = dict(type="DefaultTrainer", preempt_check_every=4)
+train = dict(type="DefaultTrainer", stop_check_every=4)
 hooks.append(dict(type="PauseForSignal", steps=[{PAUSE}], signals=["SIGTERM"], directory={str(markers)!r}))
 ''')
     reference = tmp_path / "reference"

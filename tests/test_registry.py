@@ -197,7 +197,7 @@ def test_constructor_with_kwargs_accepts_any_key(reg):
 
 def test_key_rejected_by_parent_through_kwargs_names_nearest_parent_parameter(reg):
     class Base:
-        def __init__(self, cfg, find_unused_parameters=False, preempt_check_every=10):
+        def __init__(self, cfg, find_unused_parameters=False, stop_check_every=10):
             pass
 
     @reg.register_module()
@@ -209,7 +209,7 @@ def test_key_rejected_by_parent_through_kwargs_names_nearest_parent_parameter(re
         reg.build(dict(type="Child", ratio=[1]), default_args=dict(cfg=None))
     assert str(info.value) == (
         "widget Child: unknown parameter 'ratio' (did you mean 'ratios'?); "
-        "Child takes: cfg, ratios, find_unused_parameters, preempt_check_every"
+        "Child takes: cfg, ratios, find_unused_parameters, stop_check_every"
     )
 
 

@@ -32,13 +32,13 @@ from tests.support import fake_slurm  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import final_weights, train_losses, write_toy_config  # noqa: E402
 
-PAUSES = (8, 14)  # with preempt_check_every=4 the ranks stop at steps 8 and 16 (both mid-epoch)
+PAUSES = (8, 14)  # with stop_check_every=4 the ranks stop at steps 8 and 16 (both mid-epoch)
 
 
 def _config(directory: Path, save_path: Path, pauses=()) -> Path:
     return write_toy_config(directory, save_path, f'''
 custom_imports = ["tests.support.toy", "tests.support.preempt"]
-train = dict(type="DefaultTrainer", preempt_check_every=4)
+train = dict(type="DefaultTrainer", stop_check_every=4)
 hooks.append(dict(type="PauseForSignal", steps={list(pauses)}, directory={str(directory / "markers")!r}))
 ''')
 

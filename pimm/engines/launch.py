@@ -82,6 +82,13 @@ def build_trainer(cfg, mode: str = "train", hooks=None):
     return TRAINERS.build(dict(train_cfg, cfg=cfg, hooks=hooks, **({"mode": "test"} if mode == "test" else {})))
 
 
+def _resume_after_elastic_restart(cfg) -> None:
+    """torchrun restarts failed workers with the same arguments: a restarted
+    worker (``TORCHELASTIC_RESTART_COUNT`` > 0) continues the run it belongs to."""
+    if not cfg.resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        cfg.resume = True
+
+
 def _resolve_seed(cfg) -> None:
     """``seed=None``: a resumed run reuses the seed its config.py recorded; a new
     run draws one (rank 0's, for every rank) and config.py records it."""
@@ -149,6 +156,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     _install_startup_signals(("SIGTERM",))
     cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode, check_save_path=False)
     if mode == "train":
+        _resume_after_elastic_restart(cfg)
         _take_run_lock(cfg, lock)
     _install_startup_signals(cfg.preempt_signals)
     _PREEMPT_NAMES[:] = cfg.preempt_signals

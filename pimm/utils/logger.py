@@ -8,7 +8,16 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["setup_logger"]
+__all__ = ["setup_logger", "FILE_ONLY"]
+
+#: ``logger.error(..., exc_info=True, extra=FILE_ONLY)``: a traceback for
+#: ``train.log`` only, behind a one-line error the user already sees.
+FILE_ONLY = {"file_only": True}
+
+
+class _NotFileOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False)
 
 _FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
 
@@ -24,6 +33,7 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
     console = logging.StreamHandler(sys.stdout)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(formatter)
+    console.addFilter(_NotFileOnly())
     logger.addHandler(console)
     if save_path is not None:
         Path(save_path).mkdir(parents=True, exist_ok=True)

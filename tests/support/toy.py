@@ -260,3 +260,32 @@ class RankValues(HookBase):
         ops = {"probe/mean": "mean", "probe/sum": "sum", "probe/min": "min", "probe/max": "max",
                "probe/last": "last"}
         self.trainer.metrics.publish({name: value for name in ops}, reduce=ops)
+
+
+@DATASETS.register_module(force=True)
+class SlowToyDataset(ToyDataset):
+    """Takes ``build_seconds`` to build (SIGTERM while data sets are being built)."""
+
+    def __init__(self, build_seconds=30.0, **kwargs):
+        import pathlib
+        import time
+
+        marker = kwargs.pop("marker", None)
+        if marker:
+            pathlib.Path(marker).write_text("building")
+        time.sleep(build_seconds)
+        super().__init__(**kwargs)
+
+
+@DATASETS.register_module(force=True)
+class BrokenSampleDataset(ToyDataset):
+    """Sample ``bad_index`` cannot be loaded (a corrupt event)."""
+
+    def __init__(self, bad_index=5, **kwargs):
+        super().__init__(**kwargs)
+        self.bad_index = bad_index
+
+    def __getitem__(self, index):
+        if index == self.bad_index:
+            raise ValueError(f"corrupt record at offset {index * 128}")
+        return super().__getitem__(index)

@@ -71,6 +71,8 @@ class ComponentBuilders:
         # Only iterable data sets resume from the loader's own snapshots (see
         # LoaderParticipant); take them at the checkpoint cadence, not per step.
         iterable = isinstance(dataset, IterableDataset)
+        if not iterable and len(dataset) == 0:
+            raise ConfigError(f"data.train ({type(dataset).__name__}) is empty: nothing to train on")
         interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
         return data_lib.build_train_loader(
             dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
@@ -133,8 +135,6 @@ class ComponentBuilders:
                 )
             batches = dataset.num_samples() // self.batch_size_per_rank
         else:
-            if len(dataset) == 0:
-                raise ConfigError(f"data.train ({type(dataset).__name__}) is empty: nothing to train on")
             batches = len(self.train_loader)
         iters = batches // self.grad_accum_steps
         if iters <= 0:

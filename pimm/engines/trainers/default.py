@@ -35,6 +35,7 @@ from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import set_aside
+from pimm.utils.logger import FILE_ONLY
 from pimm.utils.rng import derive_seed, seed_all
 
 __all__ = ["DefaultTrainer"]
@@ -326,7 +327,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             with self.autocast():
                 output = self.model(batch)
         except Exception as err:
-            self.logger.exception("The model's first forward pass failed")
+            self.logger.error("The model's first forward pass failed", exc_info=True, extra=FILE_ONLY)
             detail = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"model {type(self.model_without_ddp).__name__} failed on the first training batch "
                             f"({type(err).__name__}: {detail}); check the model config against the data (input "
