@@ -84,7 +84,7 @@ def _instance_colors(ids: np.ndarray) -> np.ndarray:
 
 
 def _marker_size(num_points: int) -> float:
-    return float(np.clip(4000.0 / max(num_points, 1), 0.3, 12.0))
+    return float(np.clip(15000.0 / max(num_points, 1), 1.0, 12.0))
 
 
 def render_point_event(
