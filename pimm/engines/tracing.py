@@ -194,7 +194,8 @@ class Tracer:
         self._append = self._queue.append
         self._open: list[tuple] = []  # long spans begun and not ended: (name, step, epoch, t0, args)
         self._names: dict[str, str] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: close() from a signal handler that interrupted flush() must not deadlock.
+        self._lock = threading.RLock()
         self._pid = os.getpid()
         self._file = None
         self._bytes = 0
@@ -291,7 +292,7 @@ class Tracer:
         atexit.unregister(self.close)
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=1.0)
         self.flush()
         with self._lock:
             if self._file is not None:

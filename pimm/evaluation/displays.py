@@ -12,8 +12,9 @@ take); the evaluators choose the events and the writer logs them.
   barrel unrolled: azimuth across, height up), the charge channel by default,
   titled with the true and predicted class (green when they agree, red when not).
 
-Points are drawn with ``scatter`` on a bare matplotlib ``Figure`` rendered by
-the Agg canvas: no pyplot, so no global figure state, no display and no
+Points are rasterized with numpy into one image per panel (about 3x faster
+than a ``scatter`` with a colour per point) and shown with ``imshow`` on a
+bare matplotlib ``Figure`` rendered by the Agg canvas: no pyplot, so no global figure state, no display and no
 backend switch inside a training process. matplotlib is imported on first
 use, so importing this module (and the evaluators) costs nothing. Large
 events are subsampled to ``max_points`` (a fixed-seed choice, so the same
@@ -76,15 +77,26 @@ def _instance_colors(ids: np.ndarray) -> np.ndarray:
     from matplotlib import colormaps
 
     palette = colormaps["tab20"]
-    # Spread consecutive ids over the palette so neighbouring instances differ.
-    index = (ids.astype(np.int64) * 7) % palette.N
-    colors = np.array([palette(i) for i in range(palette.N)])[index]
+    # tab20 without its two greys (grey means "no instance"); consecutive ids
+    # are spread over the palette so neighbouring instances differ.
+    table = np.array([palette(i) for i in range(palette.N) if i not in (14, 15)])
+    colors = table[(ids.astype(np.int64) * 7) % len(table)]
     colors[ids < 0] = _IGNORED_COLOR
     return colors
 
 
-def _marker_size(num_points: int) -> float:
-    return float(np.clip(15000.0 / max(num_points, 1), 1.0, 12.0))
+def _rasterize(u: np.ndarray, v: np.ndarray, rgb: np.ndarray, origin: tuple[float, float],
+               shape: tuple[int, int], scale: float, radius: int) -> np.ndarray:
+    """Points ``(u, v)`` as ``(2 radius + 1)``-pixel squares on a white ``shape``
+    image, row 0 at ``v = origin[1]``; later points cover earlier ones."""
+    height, width = shape
+    image = np.ones((height, width, 3))
+    cols = np.clip(((u - origin[0]) * scale).astype(np.int64), 0, width - 1)
+    rows = np.clip(((v - origin[1]) * scale).astype(np.int64), 0, height - 1)
+    for dr in range(-radius, radius + 1):
+        for dc in range(-radius, radius + 1):
+            image[np.clip(rows + dr, 0, height - 1), np.clip(cols + dc, 0, width - 1)] = rgb
+    return image
 
 
 def render_point_event(
@@ -126,7 +138,7 @@ def render_point_event(
     coord = coord[keep]
     colors = [_class_colors(labels[keep].astype(np.int64), num_classes) if i < 2
               else _instance_colors(labels[keep]) for i, (_, labels) in enumerate(columns)]
-    size = _marker_size(len(coord))
+    radius = 1 if len(coord) < 20000 else 0
 
     width, height = panel_inches[0] * len(columns), panel_inches[1] * 3 + 0.9
     figure = _figure(width, height, dpi)
@@ -135,14 +147,20 @@ def render_point_event(
         wspace=0.05, hspace=0.12))
     low, high = (coord.min(axis=0), coord.max(axis=0)) if len(coord) else (np.zeros(3), np.ones(3))
     pad = 0.03 * max(float((high - low).max()), 1e-6)
+    low, high = low - pad, high + pad
+    panel_pixels = (panel_inches[0] * dpi * 0.95, panel_inches[1] * dpi * 0.9)
     for row, (xname, yname, xi, yi) in enumerate(_PROJECTIONS):
+        # Points are drawn into an image at about the panel's pixel size, in the
+        # same place in every panel of a row (true aspect ratio): scatter with a
+        # colour per point costs several times more.
+        extent = (high[xi] - low[xi], high[yi] - low[yi])
+        scale = min(panel_pixels[0] / extent[0], panel_pixels[1] / extent[1])
+        shape = (max(1, int(np.ceil(extent[1] * scale))), max(1, int(np.ceil(extent[0] * scale))))
         for col, ((name, _), color) in enumerate(zip(columns, colors)):
             axes = grid[row][col]
-            axes.scatter(coord[:, xi], coord[:, yi], c=color, s=size, marker=".", linewidths=0)
-            # Same limits and true aspect in every panel of a row, so true and predicted line up.
-            axes.set_xlim(low[xi] - pad, high[xi] + pad)
-            axes.set_ylim(low[yi] - pad, high[yi] + pad)
-            axes.set_aspect("equal", adjustable="box")
+            image = _rasterize(coord[:, xi], coord[:, yi], color[:, :3], (low[xi], low[yi]), shape, scale, radius)
+            axes.imshow(image, origin="lower", extent=(low[xi], high[xi], low[yi], high[yi]),
+                        interpolation="nearest", aspect="equal")
             axes.set_xticks([])  # ticks cost more than the points; the axis names say enough
             axes.set_yticks([])
             if row == 0:
