@@ -117,14 +117,14 @@ def test_non_finite_and_odd_values_stay_valid_json(tmp_path):
     tracer = Tracer(tmp_path)
     tracer.step, tracer.epoch = np.int64(7), None
     tracer.counter("batch", samples=3, loss=float("nan"))
-    tracer.instant("note", path=Path("/x"), ratio=float("inf"))
+    tracer.instant("note", path=Path("/x"), ratio=float("inf"), shape={(2, 3): 1})
     tracer.close()
     text = tracer.path.read_text()
     assert "NaN" not in text and "Infinity" not in text  # strict JSON, which Python's json would not check
     records = lines_of(tracer.path)[1:]
     assert records[0]["args"] == {"samples": 3, "loss": None} and records[0]["step"] == 7
     assert records[0]["epoch"] is None
-    assert records[1]["args"] == {"path": "/x", "ratio": None}
+    assert records[1]["args"] == {"path": "/x", "ratio": None, "shape": {"(2, 3)": 1}}
 
 
 def test_rotation_by_size_keeps_every_record_in_order(tmp_path):
@@ -255,3 +255,26 @@ def test_a_killed_process_leaves_readable_files_with_its_open_span(tmp_path):
     records_after, bad = read_jsonl(path)
     assert records_after == records
     assert [(b.line, b.reason) for b in bad] == [(len(records) + 1, "cut")]
+
+
+def test_a_write_failure_stops_tracing_but_not_the_caller(tmp_path, caplog):
+    tracer = Tracer(tmp_path)
+    tracer.complete("forward", tracer.now())
+
+    class Broken:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    tracer._file = Broken()
+    tracer.begin("evaluate")  # flushes: the write fails
+    for _ in range(100):
+        tracer.complete("forward", tracer.now())
+    assert len(tracer._queue) == 0  # records are dropped, not hoarded
+    tracer.close()
+    assert "No space left on device" in caplog.text and "structured tracing stops" in caplog.text

@@ -217,8 +217,8 @@ class Tracer:
         atexit.register(self.close)
 
     # -- recording --------------------------------------------------------
-    def complete(self, name: str, t0: float, args: dict | None = None, thread: str | None = None) -> float:
-        """Record span ``name`` from ``t0`` (a ``now()`` reading) to now; returns now."""
+    def complete(self, name: str, t0: int, args: dict | None = None, thread: str | None = None) -> int:
+        """Record span ``name`` from ``t0`` (a ``now()`` reading, integer ns) to now; returns now."""
         t1 = perf_counter_ns()
         self._append(("X", name, self.step, self.epoch, t0, t1 - t0, args, thread))
         return t1
@@ -304,7 +304,13 @@ class Tracer:
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(self.flush_every_s):
-            self.flush()
+            try:
+                self.flush()
+            except Exception as err:  # a bug here must neither pass silently nor stop the training
+                _logger.exception("tracer: flushing failed")
+                with self._lock:
+                    self._fail(err)
+                return
 
     def _open_file(self) -> None:
         while True:  # "x": never truncate a file, even one another process just made
@@ -325,11 +331,12 @@ class Tracer:
         for _, _, old in trace_files(self.directory, self.rank)[: -self.max_files]:
             old.unlink(missing_ok=True)
 
-    def _fail(self, err: OSError) -> None:
+    def _fail(self, err: Exception) -> None:
         # Tracing is an observer: losing it must not stop the training it observes.
         if not self._failed:
             _logger.warning(f"tracer: writing {self.path} failed ({err}); structured tracing stops for this rank")
         self._failed = True
+        self._append = _discard  # nothing queues up any more, so nothing grows
         self._queue.clear()
         try:
             self._file.close()
@@ -389,8 +396,12 @@ class Tracer:
             return "{" + ",".join(parts) + "}"
         try:
             return json.dumps(args, separators=(",", ":"), allow_nan=False, default=str)
-        except ValueError:  # a non-finite float: JSON has none, write null (like metrics.jsonl)
-            return json.dumps(_finite(args), separators=(",", ":"), default=str)
+        except (TypeError, ValueError):  # NaN/inf (JSON has none: null, like metrics.jsonl) or odd keys
+            return json.dumps(_jsonable(args), separators=(",", ":"), default=str)
+
+
+def _discard(record) -> None:
+    pass
 
 
 class _Span:
@@ -434,13 +445,14 @@ def _int_text(value) -> str:
         return "null"
 
 
-def _finite(value):
+def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k): _jsonable(v)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [_jsonable(v) for v in value]
     return value
 
 
