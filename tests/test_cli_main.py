@@ -16,7 +16,6 @@ if str(ROOT) not in sys.path:
 
 import pimm.cli as cli  # noqa: E402
 from pimm.cli import main  # noqa: E402
-from pimm.cli import test_main as _test_main, train_main as _train_main  # noqa: E402,F401  (stay importable)
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import train_losses, write_toy_config  # noqa: E402
 
@@ -102,6 +101,12 @@ def test_submit_dispatches_to_the_slurm_module_or_says_it_is_missing(monkeypatch
     monkeypatch.setitem(sys.modules, "pimm.distributed.slurm", fake)
     assert main(["submit", "--config-file", "c.py", "--nodes", "2"]) == 0
     assert calls == [["--config-file", "c.py", "--nodes", "2"]]
+
+
+def test_the_tools_entry_points_stay_importable():
+    from pimm.cli import test_main, train_main  # what tools/*.py and pimm-train/pimm-test import
+
+    assert train_main.__module__ == test_main.__module__ == "pimm.cli"
 
 
 def test_console_scripts_are_registered():

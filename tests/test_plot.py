@@ -17,7 +17,6 @@ if str(ROOT) not in sys.path:
 
 from pimm.cli import main as pimm_main  # noqa: E402
 from pimm.tools.plot import load_metrics, plot_runs, smooth  # noqa: E402
-from pimm.utils.errors import UserError  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import run_tool, write_toy_config  # noqa: E402
 

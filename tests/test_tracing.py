@@ -28,8 +28,13 @@ def lines_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def all_records(run: Path, rank: int = 0) -> list[dict]:
-    return [r for _, _, p in trace_files(run / "trace", rank) for r in lines_of(p)]
+def write_steps(tracer: Tracer, steps: range, flush_every: int) -> None:
+    """One "step" span per step, flushed in batches (each batch may rotate the file)."""
+    for step in steps:
+        tracer.step = step
+        tracer.complete("step", tracer.now())
+        if step % flush_every == 0:
+            tracer.flush()
 
 
 def test_records_have_the_documented_format(tmp_path):
@@ -129,11 +134,7 @@ def test_non_finite_and_odd_values_stay_valid_json(tmp_path):
 
 def test_rotation_by_size_keeps_every_record_in_order(tmp_path):
     tracer = Tracer(tmp_path, max_bytes=4096, max_files=100)
-    for step in range(1, 301):
-        tracer.step = step
-        tracer.complete("step", tracer.now())
-        if step % 50 == 0:
-            tracer.flush()
+    write_steps(tracer, range(1, 301), flush_every=50)
     tracer.close()
     files = trace_files(tmp_path / "trace", 0)
     assert len(files) > 3
@@ -165,11 +166,7 @@ def test_max_files_deletes_the_oldest_of_this_rank_only(tmp_path):
     other = Tracer(tmp_path, rank=1)
     other.close()
     tracer = Tracer(tmp_path, rank=0, max_bytes=4096, max_files=3)
-    for step in range(600):
-        tracer.step = step
-        tracer.complete("step", tracer.now())
-        if step % 40 == 0:
-            tracer.flush()
+    write_steps(tracer, range(600), flush_every=40)
     tracer.close()
     kept = trace_files(tmp_path / "trace", 0)
     assert len(kept) == 3

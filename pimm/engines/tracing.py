@@ -350,14 +350,18 @@ class Tracer:
         seconds, and half the cost of formatting floats."""
         names = self._names
         offset_ns = self._unix_offset_ns
-        rank = self.rank
         lines = []
-        for record in records:
-            ph, name, step, epoch, t0, dur, args, thread = record
+        for ph, name, step, epoch, t0, dur, args, thread in records:
             head = names.get(name)
-            if head is None or type(step) is not int or type(epoch) is not int or type(t0) is not int:
-                lines.append(self._format_slow(record))
-                continue
+            if head is None:
+                head = names[name] = f'"name":{json.dumps(str(name))},"rank":{self.rank},"step":'
+            # The loop sets ints; a numpy or tensor scalar (or a stray None) still gives valid JSON.
+            if type(step) is not int:
+                step = _int_text(step)
+            if type(epoch) is not int:
+                epoch = _int_text(epoch)
+            if type(t0) is not int:
+                t0, dur = int(t0), None if dur is None else int(dur)
             line = f'{{"ph":"{ph}",{head}{step},"epoch":{epoch},"ts":{(t0 + offset_ns) // 1000}e-6'
             if dur is not None:
                 line += f',"dur":{dur}e-9'
@@ -367,22 +371,6 @@ class Tracer:
                 line += f',"args":{self._dump_args(args)}'
             lines.append(line + "}\n")
         return "".join(lines)
-
-    def _format_slow(self, record: tuple) -> str:
-        # The first record of a name (caches its JSON head), or step/epoch/times
-        # that are not ints (a numpy or tensor scalar set by the caller).
-        ph, name, step, epoch, t0, dur, args, thread = record
-        if name not in self._names:
-            self._names[name] = f'"name":{json.dumps(str(name))},"rank":{self.rank},"step":'
-        line = f'{{"ph":"{ph}",{self._names[name]}{_int_text(step)},"epoch":{_int_text(epoch)}'
-        line += f',"ts":{(int(t0) + self._unix_offset_ns) // 1000}e-6'
-        if dur is not None:
-            line += f',"dur":{int(dur)}e-9'
-        if thread is not None:
-            line += f',"thread":{json.dumps(str(thread))}'
-        if args:
-            line += f',"args":{self._dump_args(args)}'
-        return line + "}\n"
 
     def _dump_args(self, args: dict) -> str:
         if all(type(v) is int and type(k) is str for k, v in args.items()):  # counters: the per-step case

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pimm.utils.errors import UserError
 
-from . import ToolParser
+from . import ToolParser, output_path, writing
 from .jsonl import read_jsonl
 
 __all__ = ["load_metrics", "smooth", "plot_runs", "main"]
@@ -124,14 +124,9 @@ def _default_keys(all_series: list[dict]) -> list[str]:
 
 
 def _output_path(first_run: Path, out: str | Path | None, overwrite: bool) -> Path:
-    if out is None:
-        return first_run / "plots" / "curves.png"
-    path = Path(out)
-    if path.suffix.lower() not in _SUFFIXES:
+    if out is not None and Path(out).suffix.lower() not in _SUFFIXES:
         raise UserError(f"-o {out}: use a file name ending in one of {', '.join(_SUFFIXES)}")
-    if path.exists() and not overwrite:
-        raise UserError(f"-o {out}: the file exists; choose another path or add --overwrite")
-    return path
+    return output_path(first_run / "plots" / "curves.png", out, overwrite)
 
 
 def plot_runs(runs, keys: list[str] | None = None, out=None, smoothing: str = "auto",
@@ -177,11 +172,8 @@ def plot_runs(runs, keys: list[str] | None = None, out=None, smoothing: str = "a
         axes.grid(alpha=0.3)
         if len(runs) > 1 or index == 0:
             axes.legend(fontsize="small")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(path):
         figure.savefig(path)
-    except OSError as err:
-        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
     return path
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pimm.utils.errors import UserError
 
-from . import ToolParser
+from . import ToolParser, output_path, writing
 from .trace_reader import Process, Trace, read_attempts, read_trace, run_directory
 
 __all__ = ["summarize", "export", "main"]
@@ -243,21 +243,13 @@ def export(run: str | Path, out: str | Path | None = None, overwrite: bool = Fal
             f"{run}: no trace files in {directory / 'trace'}; train with "
             "--options structured_logging.enabled=True to record a trace"
         )
-    if out is None:
-        path = directory / "trace" / "trace.json"  # ours, derived from the run: rewritten each time
-    else:
-        path = Path(out)
-        if path.exists() and not overwrite:
-            raise UserError(f"-o {out}: the file exists; choose another path or add --overwrite")
+    path = output_path(directory / "trace" / "trace.json", out, overwrite)
     document = {"traceEvents": chrome_events(trace), "displayTimeUnit": "ms",
                 "otherData": {"run": str(directory), "skipped_lines": len(trace.bad_lines)}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+    with writing(path):
+        tmp = path.with_name(path.name + ".tmp")  # a viewer never sees half a file
         tmp.write_text(json.dumps(document, separators=(",", ":")))
         tmp.replace(path)
-    except OSError as err:
-        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
     return path
 
 
