@@ -59,6 +59,7 @@ __all__ = [
     "Tracer",
     "build_tracer",
     "trace_files",
+    "validate_options",
 ]
 
 TRACE_DIR = "trace"
