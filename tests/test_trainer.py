@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402,F401  (registers models, data sets, evaluators)
+import pimm.datasets, pimm.evaluation, pimm.models  # noqa: E402,F401,E401  (registers data sets, evaluators, models)
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.runtime import apply_runtime_defaults  # noqa: E402

@@ -1,0 +1,155 @@
+"""The ``pimm`` command and the entry points of ``tools/train.py`` / ``tools/test.py``.
+
+``pimm <command> [args]`` dispatches to:
+
+* ``train`` / ``test``: exactly ``tools/train.py`` / ``tools/test.py``
+  (:func:`train_main` / :func:`test_main`, also the ``pimm-train`` /
+  ``pimm-test`` console scripts);
+* ``trace summarize|export RUN``: :mod:`pimm.tools.trace_report`;
+* ``plot RUN...``: :mod:`pimm.tools.plot`;
+* ``submit``: ``pimm.distributed.slurm.main``.
+
+Nothing heavy is imported at module level: torch, the models and data sets
+load only for ``train`` / ``test`` (:func:`register_all`), matplotlib only
+for ``plot``, so ``pimm trace`` and ``pimm --help`` start in a blink.
+``import pimm.cli`` therefore no longer registers the models, data sets and
+evaluators as a side effect; call :func:`register_all` (or import those
+packages) for that.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import traceback
+
+__all__ = ["main", "train_main", "test_main", "register_all"]
+
+EXIT_USAGE = 2
+
+
+def register_all() -> None:
+    """Import every package that registers data sets, transforms, models and evaluators."""
+    import pimm.datasets  # noqa: F401
+    import pimm.evaluation  # noqa: F401
+    import pimm.models  # noqa: F401
+
+
+def _launch(argv: list[str] | None, mode: str) -> int:
+    # Idle OpenMP threads sleep instead of spinning (see tools/train.py); must
+    # be set before torch is imported, and an explicit setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    register_all()
+    from pimm.engines.launch import main as launch_main
+
+    return launch_main(sys.argv[1:] if argv is None else argv, mode=mode)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``tools/train.py``: train from ``--config-file`` (see ``--help``)."""
+    return _launch(argv, "train")
+
+
+def test_main(argv: list[str] | None = None) -> int:
+    """``tools/test.py``: evaluate ``--options weight=...`` on the test split."""
+    return _launch(argv, "test")
+
+
+def _as_verb(argv: list[str], mode: str) -> int:
+    """``pimm train|test``. ``--num-gpus N`` re-runs ``sys.argv[0]`` with the
+    same arguments in N child processes; for the ``pimm`` script that would
+    lose the verb, so while the launcher runs, ``sys.argv[0]`` names the
+    module that is this verb alone (``python -mpimm.cli.train ...``)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"pimm {mode}: the same arguments as tools/{mode}.py\n")
+    previous = sys.argv[0] if sys.argv else ""
+    if sys.argv:
+        sys.argv[0] = f"-mpimm.cli.{mode}"
+    try:
+        return train_main(argv) if mode == "train" else test_main(argv)
+    finally:
+        if sys.argv:
+            sys.argv[0] = previous
+
+
+def _trace(argv: list[str]) -> int:
+    from pimm.tools import trace_report
+
+    return trace_report.main(argv, prog="pimm trace")
+
+
+def _plot(argv: list[str]) -> int:
+    from pimm.tools import plot
+
+    return plot.main(argv, prog="pimm plot")
+
+
+def _submit(argv: list[str]) -> int:
+    import importlib
+
+    from pimm.utils.errors import UserError
+
+    try:
+        slurm = importlib.import_module("pimm.distributed.slurm")
+    except ModuleNotFoundError as err:
+        if err.name != "pimm.distributed.slurm":
+            raise
+        raise UserError("pimm submit: this pimm has no SLURM support (module pimm.distributed.slurm is missing); "
+                        "update pimm or submit tools/train.py with sbatch yourself") from None
+    return slurm.main(argv)
+
+
+COMMANDS = {
+    "train": ("train a model (the arguments of tools/train.py)", lambda argv: _as_verb(argv, "train")),
+    "test": ("evaluate weights on the test split (the arguments of tools/test.py)", lambda argv: _as_verb(argv, "test")),
+    "trace": ("summarize a run's structured trace, or export it for a trace viewer", _trace),
+    "plot": ("draw curves from the metrics.jsonl of one or more runs", _plot),
+    "submit": ("submit a training run to SLURM", _submit),
+}
+_OWN_ERRORS = ("trace", "plot", "submit")  # train/test report their own errors (pimm.engines.launch)
+
+
+def usage() -> str:
+    lines = ["usage: pimm <command> [arguments]", "", "commands:"]
+    lines += [f"  {name:<8}{text}" for name, (text, _) in COMMANDS.items()]
+    lines += ["", "`pimm <command> --help` describes a command's arguments, e.g. `pimm trace --help`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``pimm`` console command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        sys.stderr.write(usage())
+        return EXIT_USAGE
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help", "help"):
+        sys.stdout.write(usage())
+        return 0
+    if command in ("-V", "--version"):
+        from pimm import __version__
+
+        print(f"pimm {__version__}")
+        return 0
+    if command not in COMMANDS:
+        near = difflib.get_close_matches(command, COMMANDS, n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        print(f"error: unknown command '{command}'{hint} (commands: {', '.join(COMMANDS)}; see pimm --help)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    handler = COMMANDS[command][1]
+    if command not in _OWN_ERRORS:
+        return handler(rest)
+    from pimm.utils.errors import UserError
+
+    try:
+        return handler(rest)
+    except UserError as err:
+        if os.environ.get("PIMM_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `pimm trace summarize RUN | head`
+        sys.stderr.close()
+        return 0
