@@ -36,9 +36,12 @@ class DataSampleError(UserError):
         super().__init__(message)
 
 
-class TrainingPreempted(Exception):
-    """Raised once a pre-emption checkpoint is committed; the CLI exits with
-    :data:`EXIT_PREEMPTED` so a job wrapper knows to requeue with ``resume=True``."""
+class TrainingPreempted(BaseException):
+    """Raised once a pre-emption checkpoint is committed (or by a pre-emption
+    signal during start-up); the CLI exits with :data:`EXIT_PREEMPTED` so a job
+    wrapper knows to requeue with ``resume=True``. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way (a registry
+    wrapping constructor errors, say) turns it into a failure."""
 
 
 # The command line's exit codes (the public contract, docs/contract.md).

@@ -188,12 +188,14 @@ class StopAtStep(HookBase):
 
 @HOOKS.register_module(force=True)
 class RaiseAtStep(HookBase):
-    def __init__(self, step):
-        self.step = step
+    """Raises after ``step`` (on ``rank`` only, when given)."""
+
+    def __init__(self, step, rank=None):
+        self.step, self.rank = step, rank
 
     def after_step(self):
-        if self.trainer.global_step == self.step:
-            raise RuntimeError(f"boom at step {self.step}")
+        if self.trainer.global_step == self.step and self.rank in (None, comm.get_rank()):
+            raise RuntimeError(f"boom at step {self.step} on rank {comm.get_rank()}")
 
 
 @HOOKS.register_module(force=True)
