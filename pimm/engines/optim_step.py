@@ -31,7 +31,7 @@ __all__ = ["OptimStep", "StepResult"]
 
 class StepResult(NamedTuple):
     grad_norm: torch.Tensor | None  # total 2-norm before clipping (None: not computed)
-    stepped: bool  # False when the GradScaler skipped a step with inf/NaN gradients
+    stepped: bool  # False when the GradScaler skipped a step with inf/NaN gradients, or skip() was called
     lr: float  # the learning rate of the first param group that this update used
 
 
@@ -56,7 +56,14 @@ class OptimStep:
             params = [p for group in optimizer.param_groups for p in group["params"]]
         self.params = [p for p in params if p.requires_grad]
         self.on_gradients: Callable[[], None] | None = None
+        self._skip_reason: str | None = None
         self._pause_sync = _sync_pauser(model)
+
+    def skip(self, reason: str) -> None:
+        """Drop this update (call from ``after_backward``, e.g. on non-finite
+        gradients): no optimizer or scheduler step, gradients zeroed. Every rank
+        must take the same decision."""
+        self._skip_reason = reason
 
     def sync(self, last: bool = True):
         """Context for one micro-batch's backward: gradient all-reduce happens only when ``last``."""
@@ -73,12 +80,16 @@ class OptimStep:
             scaler.unscale_(self.optimizer)
         if self.on_gradients is not None:
             self.on_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self._skip_reason is not None:
+            self._skip_reason = None
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(None, False, lr)
         grad_norm = None
         if self.clip_grad is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
         elif self.track_grad_norm:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        lr = self.optimizer.param_groups[0]["lr"]
         if scaler is not None:
             scale = scaler.get_scale()
             scaler.step(self.optimizer)

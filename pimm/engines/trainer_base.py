@@ -50,7 +50,8 @@ class TrainerBase:
     ``train_state`` (epoch, step in epoch, global step, samples seen),
     ``epoch`` (0-based index of the epoch in progress), ``max_epoch``,
     ``iters_per_epoch``, ``metrics`` (the metric channel), ``comm_info``
-    (this step's ``input_dict``, ``model_output_dict`` and ``iter``),
+    (this step's ``input_dict``, ``model_output_dict``, ``loss`` and ``iter``),
+    ``step_result`` (the last update's grad norm, whether it stepped, its lr),
     ``logger``, ``outcome``."""
 
     def __init__(self):
@@ -62,6 +63,7 @@ class TrainerBase:
         self.iters_per_epoch = 0
         self.samples_per_step = 0
         self.comm_info: dict = {}
+        self.step_result = None
         self.metrics = MetricChannel()
         self.logger = logging.getLogger("pimm")
         self.control = StopControl(preempt_signals=())

@@ -342,7 +342,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         info = self.comm_info
         # Drop the previous step's batch and outputs before this forward pass,
         # so their memory is reused instead of held through another step.
-        info["input_dict"] = info["model_output_dict"] = None
+        info["input_dict"] = info["model_output_dict"] = info["loss"] = None
         self._data_time = 0.0
         accum = self.grad_accum_steps
         optim_step = self.optim_step
@@ -354,9 +354,10 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
                 loss = output["loss"] / accum if accum > 1 else output["loss"]
                 optim_step.backward(loss)
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-        result = optim_step.step()
-        info["input_dict"], info["model_output_dict"] = batch, output
-        self.publish_step(step_loss, result, output)
+        # Visible to after_backward hooks (called inside step()) and after_step hooks.
+        info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
+        self.step_result = optim_step.step()
+        self.publish_step(step_loss, self.step_result, output)
 
     def publish_step(self, loss: torch.Tensor, result, output: dict | None = None) -> None:
         """This step's scalars: ``train/loss``, ``train/lr`` (the rate the step used),
