@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402,F401  (registers models, data sets, evaluators)
+import pimm.datasets  # noqa: E402,F401  (registers data sets)
+import pimm.evaluation  # noqa: E402,F401  (registers evaluators)
+import pimm.models  # noqa: E402,F401  (registers models)
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.metrics import MetricChannel, NonFiniteMetric, reduce_op_by_suffix  # noqa: E402
 from pimm.engines.optim_step import OptimStep  # noqa: E402

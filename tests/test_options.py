@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import pimm.cli  # noqa: F401  (the real registries, filled, as tools/train.py has them)
+import pimm.datasets  # noqa: F401  (the real registries, filled, as tools/train.py has them)
+import pimm.evaluation  # noqa: F401
+import pimm.models  # noqa: F401
 from pimm.utils.config import Config, ConfigDict
 from pimm.utils.config_options import parse_options, parse_value
 from pimm.utils.config_slots import check_registry_dicts, slot_registry

@@ -194,12 +194,14 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, referenc
     kills = kill_points(f"kill-points-{num_worker}")
     expected_rewound, resumed_from = [], []
     for step in kills:
-        # resume=True from the start: on an empty save_path it starts a fresh run.
-        run.train(f"hooks.KillAtStep.step={step}", "resume=True", expect=SIGKILLED)
+        # resume=True from the start: on an empty save_path it starts a fresh run. Synchronous
+        # writes make the commit points deterministic (the async writer is covered below).
+        run.train(f"hooks.KillAtStep.step={step}", "resume=True", "hooks.CheckpointSaver.async_write=False",
+                  expect=SIGKILLED)
         resumed_from.append(max(run.committed(), default=0))
         assert resumed_from[-1] <= step
         expected_rewound += lines_after_newest_checkpoint(run)
-    run.train("resume=True")
+    run.train("resume=True", "hooks.CheckpointSaver.async_write=False")
     # The kill points cover resuming from an epoch-end and from a mid-epoch checkpoint.
     assert {s % STEPS_PER_EPOCH == 0 for s in resumed_from if s} == {True, False}, resumed_from
     assert run.log().count("holds no checkpoint: starting a fresh run") == 1
@@ -214,6 +216,20 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, referenc
     assert hook_state(run, "RecordingHook") == {"steps_seen": TOTAL_STEPS}
     assert hook_state(ref, "RecordingHook") == {"steps_seen": TOTAL_STEPS}
     assert run.log().count("Resumed from") == len(kills)  # the first run had nothing to resume from
+
+
+def test_sigkill_right_after_an_async_save_resumes_exactly(tmp_path, reference):
+    """The kill lands while the background writer may still be writing or committing
+    the step-15 checkpoint: resume uses it if it was committed, else step 10, and
+    either way ends bit-identical."""
+    ref = reference(0)
+    run = Run(tmp_path, "async-kill")
+    run.train("hooks.KillAtStep.step=15", "resume=True", expect=SIGKILLED)
+    assert max(run.committed()) in (10, 15)
+    assert not [p for p in run.committed() if p > 15]
+    run.train("resume=True")
+    assert_same_weights(run, ref)
+    assert_clean_losses(run, ref)
 
 
 def test_sigkill_while_writing_a_checkpoint_leaves_it_ignored(tmp_path, reference):

@@ -39,23 +39,28 @@ class CheckpointSaver(HookBase):
     * ``keep_every``: plus every one whose step is a multiple of K, forever;
     * ``keep_all``: every one.
 
-    "Best only" is ``keep_last=1, keep_best=True``."""
+    "Best only" is ``keep_last=1, keep_best=True``.
+
+    ``async_write``: the training thread only copies the state; a background
+    writer writes and commits it (one at a time; the end of training and a
+    pre-emption wait for it)."""
 
     # After evaluators (NORMAL) so the epoch-end checkpoint knows the new best.
     priority = "LOW"
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
-                 time_check_every: int = 10):
+                 time_check_every: int = 10, async_write: bool = True):
         self.save_freq = _positive("save_freq", save_freq, integer=True)
         self.save_every_seconds = _positive("save_every_seconds", save_every_seconds)
-        for name, flag in (("keep_best", keep_best), ("keep_all", keep_all)):
+        for name, flag in (("keep_best", keep_best), ("keep_all", keep_all), ("async_write", async_write)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.retention = Retention(keep_last=_positive("keep_last", keep_last, allow_none=False, integer=True),
                                    keep_best=keep_best, keep_every=_positive("keep_every", keep_every, integer=True),
                                    keep_all=keep_all)
         self.time_check_every = _positive("time_check_every", time_check_every, allow_none=False, integer=True)
+        self.async_write = async_write
         self._last_save = time.monotonic()
 
     @property

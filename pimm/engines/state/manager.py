@@ -22,19 +22,29 @@ Saving the same step again heals: a committed folder that fails its check,
 or a step folder without a manifest, is moved aside (``.damaged-...``, kept
 for inspection, never resumed from) and the step is written anew.
 
+Saving blocks training only while the states are copied; a background
+writer (``async_write``) then writes the files, and rank 0 commits once every
+rank's file is on disk (each rank leaves a done-marker; no collective runs
+beside training). One write is in flight at a time, and the end of training
+and a pre-emption wait for it, so "complete or ignored" holds unchanged: a
+crash during the background write leaves the previous checkpoints as they were.
+
 Every rank calls every participant's ``state_dict()`` (gathering a sharded
 state is a collective); rank 0 writes the shared states, every rank its own.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +96,30 @@ def _save_synced(obj: Any, path: Path) -> dict:
         fh.flush()
         os.fsync(fh.fileno())
         return {"size": out.size, "crc32": out.crc}
+
+
+def _write_json_synced(obj: Any, path: Path) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _frozen(obj: Any) -> Any:
+    """A snapshot of a state dict that training can no longer change: tensors
+    copied to CPU, everything else deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if type(obj) is dict:
+        return {k: _frozen(v) for k, v in obj.items()}
+    if type(obj) is OrderedDict:  # a module's state dict: keep its version metadata
+        out = OrderedDict((k, _frozen(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_frozen(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _file_crc32(path: Path) -> int:
@@ -147,10 +181,15 @@ class CheckpointManager:
     every rank. Participants are restored in registration order."""
 
     def __init__(self, directory: str | Path, retention: Retention | None = None,
-                 logger: logging.Logger | None = None):
+                 logger: logging.Logger | None = None, async_write: bool = False, commit_timeout_s: float = 1800.0):
         self.directory = Path(directory)
         self.retention = retention or Retention()
         self.logger = logger or logging.getLogger("pimm")
+        self.async_write = async_write
+        self.commit_timeout_s = commit_timeout_s
+        self.last_blocking_s = 0.0  # how long the training thread waited in the last save
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
         self._shared: dict[str, Any] = {}
         self._per_rank: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
@@ -190,18 +229,29 @@ class CheckpointManager:
         return bool(self.step_folders())
 
     # -- saving ---------------------------------------------------------
-    def save(self, global_step: int, epoch: int, extra_manifest: dict | None = None) -> Path:
-        """Collective: every rank must call it at the same step."""
-        rank, world = comm.get_rank(), comm.get_world_size()
+    def save(self, global_step: int, epoch: int, extra_manifest: dict | None = None,
+             after_commit: tuple[tuple[Any, Path], ...] = ()) -> Path:
+        """Collective: every rank must call it at the same step.
+
+        The training thread blocks only while every participant's state is
+        copied (tensors to CPU, the rest deep-copied); writing, the manifest,
+        the atomic rename, retention and then ``after_commit`` files (``(obj,
+        path)`` pairs written atomically by rank 0, e.g. ``model_last.pth``)
+        happen on a background writer when ``async_write`` is on. One write is
+        in flight at a time: the next ``save`` (or :meth:`wait`) waits for it."""
+        self.wait()
+        rank = comm.get_rank()
         name = checkpoint_name(global_step, epoch)
         final = self.directory / name
         tmp = self.directory / f".tmp-{name}"
+        start = time.perf_counter()
+        # On every rank: gathering may be a collective (sharded states).
         shared = self._collect(self._shared)  # on every rank: gathering may be a collective
-        per_rank = self._collect(self._per_rank)
+        shared = _frozen(shared) if rank == 0 else None
+        per_rank = _frozen(self._collect(self._per_rank))
         existing = comm.broadcast_object(self._verify(final) if rank == 0 and final.exists() else None)
         if existing == "ok":
             return final  # this step is already committed and intact
-        start = time.perf_counter()
         if rank == 0:
             if existing is not None:
                 aside = self._move_aside(final)
@@ -212,31 +262,63 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         comm.synchronize()
-        files = {f"rank{rank:05d}.pth": _save_synced(per_rank, tmp / f"rank{rank:05d}.pth")}
-        if rank == 0:
-            files[COMMON] = _save_synced(shared, tmp / COMMON)
-        del shared, per_rank
-        all_files = comm.all_gather_object(files)
-        if rank == 0:
-            manifest = {
-                "global_step": global_step,
-                "epoch": epoch,
-                "world_size": world,
-                "time": time.time(),
-                "files": {k: v for part in all_files for k, v in part.items()},
-                **(extra_manifest or {}),
-            }
-            with open(tmp / MANIFEST, "w") as fh:
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            os.replace(tmp, final)
-            _fsync_dir(self.directory)
-            self.apply_retention()
-            self.logger.info(f"Saved checkpoint {final} ({time.perf_counter() - start:.2f}s)")
-        comm.synchronize()
+        self.last_blocking_s = time.perf_counter() - start
+        manifest = {"global_step": global_step, "epoch": epoch, "world_size": comm.get_world_size(),
+                    **(extra_manifest or {})}
+        after = tuple((_frozen(obj), path) for obj, path in after_commit) if rank == 0 else ()
+        job = (tmp, final, rank, shared, per_rank, manifest, after, start)
+        if self.async_write:
+            self._writer = threading.Thread(target=self._write_guarded, args=job, name="checkpoint-writer")
+            self._writer.start()
+        else:
+            self._write(*job)
         return final
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is committed; re-raise its error."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise error
+
+    def _write_guarded(self, *job) -> None:
+        try:
+            self._write(*job)
+        except BaseException as err:  # surfaced on the training thread by wait()
+            self._write_error = err
+
+    def _write(self, tmp: Path, final: Path, rank: int, shared, per_rank, manifest: dict, after_commit,
+               start: float) -> None:
+        """Each rank writes its file and a done-marker; rank 0 then writes the
+        shared state, waits for every rank's marker and commits. No collective
+        runs here, so it can run beside training."""
+        rank_file = f"rank{rank:05d}.pth"
+        entry = _save_synced(per_rank, tmp / rank_file)
+        _write_json_synced({rank_file: entry}, tmp / f"{rank_file}.done")
+        if rank != 0:
+            return
+        files = {COMMON: _save_synced(shared, tmp / COMMON)}
+        world = manifest["world_size"]
+        deadline = time.monotonic() + self.commit_timeout_s
+        for other in range(world):
+            marker = tmp / f"rank{other:05d}.pth.done"
+            while not marker.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"checkpoint {final.name}: rank {other} did not finish writing its file "
+                                       f"within {self.commit_timeout_s:g}s")
+                time.sleep(0.005)
+            files.update(json.loads(marker.read_text()))
+            marker.unlink()
+        _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(self.directory)
+        self.apply_retention()
+        for obj, path in after_commit:
+            atomic_torch_save(obj, path)
+        self.logger.info(f"Saved checkpoint {final} ({time.perf_counter() - start:.2f}s)")
 
     def _move_aside(self, path: Path) -> Path:
         index = 1

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from pimm.engines.state.manager import atomic_torch_save
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["load_weights", "read_weights", "save_model_file"]
+__all__ = ["load_weights", "read_weights"]
 
 
 def read_weights(path: str | Path) -> dict:
@@ -100,8 +99,3 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
         if mismatched:
             logger.warning(f"Shape-mismatched (skipped): {_short(mismatched)}")
     return {"loaded": len(usable), "missing": missing, "unexpected": unexpected, "mismatched": mismatched}
-
-
-def save_model_file(state_dict: dict, path: str | Path, **fields) -> None:
-    """Write a model file (rank 0 calls it; the state dict was gathered on every rank)."""
-    atomic_torch_save({"state_dict": state_dict, **fields}, path)

@@ -25,7 +25,7 @@ from pimm.engines.metrics import MetricChannel
 from pimm.engines.optim_step import OptimStep
 from pimm.engines.registries import TRAINERS
 from pimm.engines.runtime import validate_runtime
-from pimm.engines.state import CheckpointManager, Retention, load_weights, restore_latest, save_model_file
+from pimm.engines.state import CheckpointManager, Retention, atomic_torch_save, load_weights, restore_latest
 from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
                                              TrainStateParticipant)
@@ -136,6 +136,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         for hook in hooks:
             if isinstance(getattr(hook, "retention", None), Retention):
                 self.checkpointer.retention = hook.retention
+                self.checkpointer.async_write = hook.async_write
         self.register_hooks(hooks)
         if not hooks:
             self.logger.warning("hooks = []: nothing will log the training loss, evaluate or save checkpoints "
@@ -192,18 +193,24 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         self.call_hooks("before_save_checkpoint")
         self.metrics.flush()  # the writer's offset must cover everything logged up to here
         best = self.metrics.best
+        model_last = (self.model_file_payload(), self.save_path / "model" / "model_last.pth")
         self.checkpointer.save(self.global_step, self.train_state.epoch,
-                               extra_manifest={"is_best": best.step is not None and best.step == self.global_step})
-        self.save_model_file("model_last.pth")
+                               extra_manifest={"is_best": best.step is not None and best.step == self.global_step},
+                               after_commit=(model_last,))
         self._last_saved_step = self.global_step
 
-    def save_model_file(self, name: str, **fields) -> None:
-        """``model/<name>``: plain weights for inference and warm starts (collective-safe:
-        every rank gathers the state dict, rank 0 writes)."""
-        state_dict = self.model_without_ddp.state_dict()
+    def model_file_payload(self, model: torch.nn.Module | None = None, **fields) -> dict:
+        """The content of a ``model/*.pth`` file (collective-safe: every rank gathers the state dict)."""
+        model = self.model_without_ddp if model is None else model
+        return {"state_dict": model.state_dict(), "epoch": self.train_state.epoch, "global_step": self.global_step,
+                **fields}
+
+    def save_model_file(self, name: str, model: torch.nn.Module | None = None, **fields) -> None:
+        """``model/<name>`` now: plain weights for inference and warm starts (every rank
+        gathers, rank 0 writes)."""
+        payload = self.model_file_payload(model, **fields)
         if comm.is_main_process():
-            save_model_file(state_dict, self.save_path / "model" / name, epoch=self.train_state.epoch,
-                            global_step=self.global_step, **fields)
+            atomic_torch_save(payload, self.save_path / "model" / name)
 
     # -- evaluation -------------------------------------------------------
     @property
@@ -259,10 +266,12 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
                                     "checkpoint")
                 self.train_state.stop_reason = self.control.describe()
             self.save_checkpoint()
+            self.checkpointer.wait()  # committed before the process exits
             then = ("exiting with code 75 (rerun with resume=True to continue)" if self.control.preempted
                     else "training stopped")
             self.logger.warning(f"Checkpoint committed in {time.perf_counter() - start:.1f}s; {then}")
         self.metrics.flush()
+        self.checkpointer.wait()
 
     # -- the loop -----------------------------------------------------------
     _pending_start_sample = 0
@@ -397,6 +406,12 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         return results
 
     def close(self) -> None:
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is not None and self.outcome == "failed":
+            try:
+                checkpointer.wait()  # a save of an earlier, good state still commits
+            except Exception as err:  # noqa: BLE001  (the training failure is what gets reported)
+                self.logger.error(f"The checkpoint being written when training failed was not committed: {err}")
         try:
             if getattr(self, "writer", None) is not None:
                 if self.outcome == "failed" and comm.get_world_size() > 1:
