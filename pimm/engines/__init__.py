@@ -11,9 +11,10 @@ from pimm.engines.hooks import *  # noqa: F401,F403  (registers the built-in hoo
 from pimm.engines.hooks import HookBase, EvaluatorBase
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.default_trainer import DefaultTrainer
+from pimm.engines.grpo_trainer import GRPOTrainer
 from pimm.engines.image_class_trainer import ImageClassTrainer
 from pimm.engines.inseg_trainer import InsegTrainer
 from pimm.engines.multi_dataset_trainer import MultiDatasetTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",
-           "TrainerBase", "DefaultTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase", "EvaluatorBase"]
+           "TrainerBase", "DefaultTrainer", "GRPOTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase", "EvaluatorBase"]
