@@ -260,6 +260,7 @@ class GRPOTrainer(DefaultTrainer):
                               "use train.trajectory_microbatch_size to accumulate gradients over trajectories")
         self._cache: _RolloutCache | None = None
         self._loss_module: _PolicyLoss | None = None
+        self._first_step = True
         super().__init__(cfg, **options)
         self.samples_per_step = 0  # samples are counted per rollout, in run_step
 
@@ -316,9 +317,14 @@ class GRPOTrainer(DefaultTrainer):
         update_index = self.iter % updates
         cache = self._cache
         data_time = 0.0
-        if update_index == 0 or cache.rollout is None:
-            if update_index != 0:  # resumed with another process layout: this rank's rollout was not saved
-                self.logger.warning(f"No saved rollout for update {update_index} of {updates}: sampling a new one")
+        if self._first_step:
+            self._first_step = False
+            if update_index != 0 and comm.any_rank(cache.rollout is None):
+                raise UserError(
+                    f"the checkpoint at step {self.global_step} was taken between two updates of a rollout, and "
+                    "not every process has that rollout (the number of processes changed?); resume with the "
+                    "number of processes that saved it")
+        if update_index == 0:
             start = time.perf_counter()
             batch = self._to_device(self._next_batch())
             data_time = time.perf_counter() - start

@@ -143,14 +143,16 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, scale: st
     centred = (r - mean[group_index]) * weight
     if scale == "group":
         sq = torch.zeros_like(count).index_add_(0, group_index, centred * centred)
-        std = (sq / (count - 1.0).clamp(min=1.0)).sqrt()
-        advantages = centred / (std[group_index] + eps)
+        scale_by = (sq / (count - 1.0).clamp(min=1.0)).sqrt()[group_index] + eps
     elif scale == "batch":
         finite = rewards[valid]
         std = finite.std() if finite.numel() > 1 else torch.zeros((), dtype=torch.float64, device=r.device)
-        advantages = centred / (std + eps)
+        scale_by = (std + eps).expand_as(centred)
     else:
-        advantages = centred
+        scale_by = torch.ones_like(centred)
+    # A group without spread is centred to exactly 0; keep it 0 even when eps = 0.
+    advantages = torch.where(scale_by > 0, centred / scale_by.clamp(min=torch.finfo(torch.float64).tiny),
+                             torch.zeros_like(centred))
     return advantages.to(torch.float32)
 
 

@@ -140,8 +140,8 @@ class TrackProposalPolicy(nn.Module):
             raise ConfigError(f"TrackProposalPolicy: angle_tolerance_deg={angle_tolerance_deg!r} must be in (0, 180]")
         self.tolerance = math.radians(angle_tolerance_deg)
         self.num_actions = 1 + self.num_bins * self.num_classes
-        if self.max_proposals >= self.num_actions:
-            raise ConfigError(f"TrackProposalPolicy: max_proposals={max_proposals} must be below the "
+        if self.max_proposals > self.num_actions - 1:
+            raise ConfigError(f"TrackProposalPolicy: max_proposals={max_proposals} exceeds the "
                               f"{self.num_actions - 1} (bin, class) pairs")
         self.objective = GRPOObjective.from_config(grpo)
         self.policy = ProposalNet(self.num_bins, self.num_classes, _positive_int("hidden", hidden), dedx_scale,
