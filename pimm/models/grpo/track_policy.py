@@ -7,16 +7,14 @@ one at a time, each pair at most once, until it picks STOP or has made
 the proposals (bin centre, class) to the true tracks (direction within
 ``angle_tolerance_deg`` and the same class; :mod:`pimm.evaluation.proposal`).
 
-The network (:class:`ProposalNet`) reads the point cloud once per event: a
-per-point MLP on the hit's position (x, y, radius, and ``cos k phi``,
-``sin k phi`` for ``k = 1..harmonics``, which lets a small MLP localise the
-azimuth) and its deposit; each point votes over the actions and the event's
-logits are the mean vote plus a head on the pooled (mean and max) point
-features. The logits do not change along a trajectory; an already chosen
-pair is masked out. So one forward pass serves all G trajectories of an
-event and every step of them, and re-scoring a trajectory in the loss is a
-gather. The STOP logit starts at ``stop_bias`` so that short and long
-trajectories are both explored (without it the policy collapses early).
+The network (:class:`ProposalNet`) reads the point cloud once per event and
+pools per-point features into direction bins (see its docstring); the
+event's logits do not change along a trajectory, an already chosen pair is
+masked out. So one forward pass serves all G trajectories of an event and
+every step of them, and re-scoring a trajectory in the loss is a gather.
+The STOP logit starts at ``stop_bias`` so that short and long trajectories
+are both explored (in a prototype of this task, without it the entropy
+collapsed and the reward plateaued low).
 
 Evaluation (``forward``) is greedy: the pairs whose logits beat STOP, best
 first, at most ``max_proposals``.
@@ -38,16 +36,11 @@ from pimm.engines.registries import MODELS
 from pimm.evaluation.proposal import f1_scores, match_proposals
 from pimm.utils.errors import ConfigError, UserError
 
+from ..point_ops import offset2batch, scatter_mean, scatter_sum
 from .objective import GRPOObjective, RolloutTotals, rollout_metrics
 from .reference import FrozenReference
 
 __all__ = ["TrackProposalPolicy", "ProposalNet"]
-
-
-def _event_index(offset: torch.Tensor) -> torch.Tensor:
-    """Event of every point from cumulative end offsets."""
-    counts = torch.diff(offset, prepend=offset.new_zeros(1))
-    return torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
 
 
 class ProposalNet(nn.Module):
@@ -87,17 +80,14 @@ class ProposalNet(nn.Module):
         lower = torch.floor(position)
         upper_weight = (position - lower)[:, None]
         lower = lower.long().remainder(self.num_bins)
-        events = _event_index(offset)
+        events = offset2batch(offset)
         num_events = len(offset)
         slots = torch.cat([events * self.num_bins + lower, events * self.num_bins + (lower + 1) % self.num_bins])
-        binned = torch.zeros(num_events * self.num_bins, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        binned = binned.index_add(0, slots, torch.cat([hidden * (1.0 - upper_weight), hidden * upper_weight]))
-        binned = binned.view(num_events, self.num_bins, -1)
+        binned = scatter_sum(torch.cat([hidden * (1.0 - upper_weight), hidden * upper_weight]), slots,
+                             num_events * self.num_bins).view(num_events, self.num_bins, -1)
         neighbours = torch.roll(binned, 1, 1) + torch.roll(binned, -1, 1)
         pair_logits = self.bin_head(torch.cat([binned, neighbours], 2)).flatten(1)  # (B, bins * classes)
-        counts = torch.diff(offset, prepend=offset.new_zeros(1)).clamp(min=1).to(hidden.dtype)[:, None]
-        mean = torch.zeros(num_events, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        mean = mean.index_add(0, events, hidden) / counts
+        mean = scatter_mean(hidden, events, num_events)
         peak = torch.zeros_like(mean).scatter_reduce(0, events[:, None].expand_as(hidden), hidden, "amax",
                                                      include_self=False)
         stop = self.stop_head(torch.cat([mean, peak], 1))
@@ -260,6 +250,6 @@ def _select_events(batch: dict, events: torch.Tensor) -> dict:
     offset = batch["offset"]
     if len(events) == len(offset):
         return batch
-    keep = torch.isin(_event_index(offset), events)
+    keep = torch.isin(offset2batch(offset), events)
     counts = torch.diff(offset, prepend=offset.new_zeros(1))[events]
     return {"coord": batch["coord"][keep], "feat": batch["feat"][keep], "offset": torch.cumsum(counts, 0)}
