@@ -13,8 +13,8 @@ from pimm.engines.hooks import EvaluatorBase, HookBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.optim_step import OptimStep, StepResult
 from pimm.engines.trainer_base import TrainerBase
-from pimm.engines.trainers import DefaultTrainer, ImageClassTrainer, InsegTrainer, MultiDatasetTrainer
+from pimm.engines.trainers import DefaultTrainer, GRPOTrainer, ImageClassTrainer, InsegTrainer, MultiDatasetTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",
-           "TrainerBase", "DefaultTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase",
+           "TrainerBase", "DefaultTrainer", "GRPOTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase",
            "EvaluatorBase", "MetricChannel", "OptimStep", "StepResult"]

@@ -23,6 +23,7 @@ from .cls import ClsEvaluator  # noqa: E402  (registers the hook)
 __all__ += ["ClsEvaluator"]
 
 from .inseg import InsSegEvaluator  # noqa: E402  (registers the HOOKS entry)
+from .proposal import ProposalEvaluator  # noqa: E402
 from .semseg import SemSegEvaluator  # noqa: E402
 
-__all__ += ["InsSegEvaluator", "SemSegEvaluator"]
+__all__ += ["InsSegEvaluator", "ProposalEvaluator", "SemSegEvaluator"]

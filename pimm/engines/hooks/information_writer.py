@@ -19,10 +19,13 @@ __all__ = ["InformationWriter"]
 
 @HOOKS.register_module()
 class InformationWriter(HookBase):
-    def __init__(self, log_frequency: int = 20):
-        if isinstance(log_frequency, bool) or not isinstance(log_frequency, int) or log_frequency <= 0:
-            raise ValueError(f"log_frequency must be a positive integer, got {log_frequency!r}")
+    def __init__(self, log_frequency: int = 20, max_extras: int = 12):
+        for name, value in (("log_frequency", log_frequency), ("max_extras", max_extras)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "log_frequency" else 0):
+                raise ValueError(f"{name} must be a {'positive' if name == 'log_frequency' else 'non-negative'} "
+                                 f"integer, got {value!r}")
         self.log_frequency = log_frequency
+        self.max_extras = max_extras  # train/* scalars shown in a log line beside loss and lr
 
     def after_step(self):
         trainer = self.trainer
@@ -38,8 +41,11 @@ class InformationWriter(HookBase):
         metrics = trainer.metrics
         eta = metrics.latest("time/eta", float("nan"))
         eta_text = str(datetime.timedelta(seconds=int(eta))) if not math.isnan(eta) else "-"
-        extras = " ".join(f"{k[6:]} {v:.4f}" for k, v in last.items()
-                          if k.startswith("train/") and k not in ("train/loss", "train/lr") and v is not None)
+        extra_items = [(k[6:], v) for k, v in last.items()
+                       if k.startswith("train/") and k not in ("train/loss", "train/lr") and v is not None]
+        extras = " ".join(f"{k} {v:.4f}" for k, v in extra_items[:self.max_extras])
+        if len(extra_items) > self.max_extras:
+            extras += f" (+{len(extra_items) - self.max_extras} in metrics.jsonl)"
         loss = last["train/loss"]
         trainer.logger.info(
             f"Train: [{trainer.epoch + 1}/{trainer.max_epoch}][{trainer.iter}/{trainer.iters_per_epoch}] "

@@ -216,7 +216,7 @@ class LoaderParticipant:
         sampler = train_sampler(trainer.train_loader)
         if train_state.iter_in_epoch > 0 and sampler is not None:
             sampler.set_epoch(train_state.epoch, consumed)
-            remaining = len(trainer.train_loader) // train_state.grad_accum_steps
+            remaining = trainer.iters_for_batches(len(trainer.train_loader))
             train_state.iter_in_epoch = max(0, trainer.iters_per_epoch - remaining)
             trainer.resume_position(consumed)
         elif train_state.iter_in_epoch > 0:

@@ -136,13 +136,17 @@ class ComponentBuilders:
             batches = dataset.num_samples() // self.batch_size_per_rank
         else:
             batches = len(self.train_loader)
-        iters = batches // self.grad_accum_steps
+        iters = self.iters_for_batches(batches)
         if iters <= 0:
             raise ConfigError(
                 f"the training set gives {batches} batch(es) of {self.batch_size_per_rank} per process, fewer than "
                 f"grad_accum_steps={self.grad_accum_steps}: lower batch_size or use more data"
             )
         return iters
+
+    def iters_for_batches(self, batches: int) -> int:
+        """Optimizer steps that ``batches`` training batches make."""
+        return batches // self.grad_accum_steps
 
     def build_optimizer(self):
         return build_optimizer(self.cfg.optimizer, self.model_without_ddp, self.cfg.get("param_dicts"))

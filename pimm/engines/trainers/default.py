@@ -129,7 +129,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         self.track("writer", self.writer)
         self.track("meta", MetaParticipant(flatten_config(cfg), self.iters_per_epoch * self.max_epoch))
         self.track("rng", RNGParticipant(), scope="rank")
-        self.track("loader", LoaderParticipant(self), scope="rank")
+        self.track("loader", self.loader_participant(self), scope="rank")
         self.track("hooks", HooksParticipant(self), scope="rank")
         for evaluator in self.evaluators:
             evaluator.declare_metrics(self.metrics)
@@ -142,6 +142,10 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             self.logger.warning("hooks = []: nothing will log the training loss, evaluate or save checkpoints "
                                 "(list CheckpointSaver, InformationWriter, ... to get them)")
         seed_all(derive_seed(cfg.seed, 1, self.rank))  # this rank's training stream
+
+    #: How the data position is saved and restored (a trainer that consumes
+    #: batches at another rate than one per step overrides it).
+    loader_participant = LoaderParticipant
 
     def track(self, name: str, participant, scope: str = "shared") -> None:
         """Save ``participant`` (anything with ``state_dict`` / ``load_state_dict``)
