@@ -22,6 +22,20 @@ enable_tensorboard = True  # TensorBoard event files under save_path/tensorboard
 preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal
 param_dicts = None  # per-parameter-group options, see docs/engine.md
 scheduler = None  # a dict(type=...) from SCHEDULERS; None: constant lr
+batch_size_test = None  # global; None = batch_size_val, else batch_size
+eval_epoch = None  # evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)
+test_only = False  # tools/train.py scores `weight` on data.test instead of training
+test = None  # a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)
+mix_prob = 0.0  # probability that the train collate mixes pairs of events
+matmul_precision = None  # torch.set_float32_matmul_precision (None: leave torch's)
+deterministic = False  # deterministic algorithms (and no TF32, cuDNN benchmarking off)
+detect_anomaly = False  # run training under torch.autograd.detect_anomaly (slow)
+empty_cache = False  # torch.cuda.empty_cache() after every step (CUDA)
+empty_cache_per_epoch = False  # torch.cuda.empty_cache() after every epoch (CUDA)
+sync_bn = False  # BatchNorm -> SyncBatchNorm when distributed on CUDA
+find_unused_parameters = False  # passed to DDP (also a train option)
+prefetch_factor = None  # batches each data worker loads ahead (None: torch's default, 2)
+checkpoint_format = None  # accepted for upstream configs: pimm always writes its verified checkpoints/ layout
 
 train = dict(type='DefaultTrainer')
 

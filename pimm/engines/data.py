@@ -144,6 +144,7 @@ def build_train_loader(
     snapshot_every_n_steps: int | None = None,
     pin_memory: bool = False,
     sampler: StatefulRandomSampler | None = None,
+    prefetch_factor: int | None = None,
 ) -> StatefulDataLoader:
     """A resumable training loader for this rank. ``batch_size`` is per rank;
     ``sampler`` replaces the default shuffled :class:`StatefulRandomSampler`."""
@@ -155,6 +156,7 @@ def build_train_loader(
         persistent_workers=num_workers > 0,
         generator=_loader_generator(seed, rank, 0),
         snapshot_every_n_steps=snapshot_every_n_steps or 1_000_000_000,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
     if isinstance(dataset, IterableDataset):
         loader = StatefulDataLoader(dataset, batch_size=batch_size, **common)
@@ -178,11 +180,13 @@ def build_eval_loader(
     world_size: int,
     collate_fn: Callable | None = None,
     pin_memory: bool = False,
+    prefetch_factor: int | None = None,
 ) -> DataLoader:
     """Each sample exactly once across ranks, in a fixed order."""
     common = dict(batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
                   pin_memory=pin_memory, worker_init_fn=worker_init_fn if num_workers > 0 else None,
-                  generator=_loader_generator(seed, rank, 1))
+                  generator=_loader_generator(seed, rank, 1),
+                  prefetch_factor=prefetch_factor if num_workers > 0 else None)
     if isinstance(dataset, IterableDataset):
         loader = DataLoader(dataset, **common)
     else:

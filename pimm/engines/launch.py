@@ -155,6 +155,10 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     comm.init_distributed_from_env()
     _install_startup_signals(("SIGTERM",))
     cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode, check_save_path=False)
+    if mode == "train" and cfg.test_only:
+        if not cfg.weight:
+            raise ConfigError("test_only=True scores weights on data.test: give them with weight=PATH")
+        mode = "test"
     if mode == "train":
         _resume_after_elastic_restart(cfg)
         _take_run_lock(cfg, lock)
@@ -164,7 +168,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     rank = comm.get_rank()
     if rank == 0 and mode == "train":
         write_config(cfg)
-    logger = setup_logger(cfg.save_path, rank)
+    logger = setup_logger(cfg.save_path, rank, log_name="train.log" if mode == "train" else "test.log")
     if rank == 0:
         attempt = AttemptRecord(cfg.save_path, mode, comm.get_world_size())
         record = attempt.start()
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
         code, reason = EXIT_FAILURE, f"failed: {type(err).__name__}: {err}"
         if debug:
             traceback.print_exc()
-        _report_error(f"error: {mode} failed: {err.__class__.__name__}: {err} (traceback in train.log)")
+        _report_error(f"error: {mode} failed: {err.__class__.__name__}: {err} (traceback in {mode}.log)")
         return code
     finally:
         for attempt in attempt_box:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from pimm.utils.errors import ConfigError
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
-           "render_default_runtime", "check_required"]
+           "render_default_runtime", "check_required", "apply_process_settings"]
 
 DEFAULT_HOOKS = [
     dict(type="CheckpointLoader"),
@@ -128,6 +128,20 @@ def _typed_dict(key, value):
     return value
 
 
+def _unit_interval(key, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a probability in [0, 1]")
+    return float(value)
+
+
+def _choice_or_none(*choices):
+    def check(key, value):
+        if value is None:
+            return value
+        return _choice(*choices)(key, value)
+    return check
+
+
 def _dict_or_none(key, value):
     if value is not None and not isinstance(value, dict):
         raise ConfigError(f"{key} must be a dict(type=...) or None, got {value!r}")
@@ -165,6 +179,25 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
                "signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal"),
     RuntimeKey("param_dicts", None, _list_or_none, "per-parameter-group options, see docs/engine.md"),
     RuntimeKey("scheduler", None, _dict_or_none, "a dict(type=...) from SCHEDULERS; None: constant lr"),
+    RuntimeKey("batch_size_test", None, _int(1, allow_none=True), "global; None = batch_size_val, else batch_size"),
+    RuntimeKey("eval_epoch", None, _int(1, allow_none=True),
+               "evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)"),
+    RuntimeKey("test_only", False, _bool, "tools/train.py scores `weight` on data.test instead of training"),
+    RuntimeKey("test", None, _dict_or_none,
+               "a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)"),
+    RuntimeKey("mix_prob", 0.0, _unit_interval, "probability that the train collate mixes pairs of events"),
+    RuntimeKey("matmul_precision", None, _choice_or_none("highest", "high", "medium"),
+               "torch.set_float32_matmul_precision (None: leave torch's)"),
+    RuntimeKey("deterministic", False, _bool, "deterministic algorithms (and no TF32, cuDNN benchmarking off)"),
+    RuntimeKey("detect_anomaly", False, _bool, "run training under torch.autograd.detect_anomaly (slow)"),
+    RuntimeKey("empty_cache", False, _bool, "torch.cuda.empty_cache() after every step (CUDA)"),
+    RuntimeKey("empty_cache_per_epoch", False, _bool, "torch.cuda.empty_cache() after every epoch (CUDA)"),
+    RuntimeKey("sync_bn", False, _bool, "BatchNorm -> SyncBatchNorm when distributed on CUDA"),
+    RuntimeKey("find_unused_parameters", False, _bool, "passed to DDP (also a train option)"),
+    RuntimeKey("prefetch_factor", None, _int(1, allow_none=True),
+               "batches each data worker loads ahead (None: torch's default, 2)"),
+    RuntimeKey("checkpoint_format", None, _choice_or_none("standard", "dcp", "legacy", "torch"),
+               "accepted for upstream configs: pimm always writes its verified checkpoints/ layout"),
     RuntimeKey("train", dict(type="DefaultTrainer"), _typed_dict, "the trainer and its options"),
     RuntimeKey("hooks", DEFAULT_HOOKS, _hooks, "hooks, run by priority (ties: config order)"),
 )
@@ -193,9 +226,27 @@ def validate_runtime(cfg, world_size: int) -> None:
     if cfg.num_worker % world_size:
         raise ConfigError(f"num_worker={cfg.num_worker} is global and must be divisible by the {world_size} "
                           f"processes; use a multiple of {world_size}")
+    if cfg.eval_epoch is not None and (cfg.eval_epoch > cfg.epoch or cfg.epoch % cfg.eval_epoch):
+        raise ConfigError(f"eval_epoch={cfg.eval_epoch} must divide epoch={cfg.epoch}: the run evaluates every "
+                          "epoch // eval_epoch epochs")
     save_path = Path(cfg.save_path)
     if save_path.exists() and not save_path.is_dir():
         raise ConfigError(f"save_path={cfg.save_path!r} is a file, not a directory: choose another save_path")
+
+
+def apply_process_settings(cfg) -> None:
+    """Process-wide torch settings the config asks for (before anything is built)."""
+    import torch
+
+    if cfg.matmul_precision is not None:
+        torch.set_float32_matmul_precision(cfg.matmul_precision)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def check_required(cfg, mode: str) -> None:

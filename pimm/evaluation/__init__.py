@@ -27,3 +27,7 @@ from .proposal import ProposalEvaluator  # noqa: E402
 from .semseg import SemSegEvaluator  # noqa: E402
 
 __all__ += ["InsSegEvaluator", "ProposalEvaluator", "SemSegEvaluator"]
+
+from .testers import ClsTester, InsSegTester, SemSegTester  # noqa: E402  (registers TESTERS entries)
+
+__all__ += ["ClsTester", "InsSegTester", "SemSegTester"]

@@ -22,7 +22,8 @@ class _NotFileOnly(logging.Filter):
 _FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
 
 
-def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm") -> logging.Logger:
+def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm",
+                 log_name: str = "train.log") -> logging.Logger:
     logger = logging.getLogger(name)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -37,7 +38,7 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
     logger.addHandler(console)
     if save_path is not None:
         Path(save_path).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(save_path) / "train.log", mode="a")
+        file_handler = logging.FileHandler(Path(save_path) / log_name, mode="a")
         file_handler.setLevel(logging.INFO if rank == 0 else logging.ERROR)
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)

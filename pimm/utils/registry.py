@@ -94,7 +94,13 @@ class Registry:
     def __init__(self, name: str):
         self.name = name
         self._modules: dict[str, Callable] = {}
+        self._hints: dict[str, str] = {}
         _LIVE.append(weakref.ref(self))
+
+    def add_hint(self, name: str, hint: str) -> None:
+        """What to use instead of ``name``, a type users know from elsewhere
+        (e.g. upstream pimm) that is not registered here."""
+        self._hints[name] = hint
 
     def __repr__(self) -> str:
         return f"Registry(name={self.name!r}, items={sorted(self._modules)})"
@@ -163,6 +169,8 @@ class Registry:
             raise RegistryError(self._unknown_message(name)) from None
 
     def _unknown_message(self, name: str) -> str:
+        if name in self._hints:
+            return f"{self.name} type {name!r} is not available in pimm: {self._hints[name]}"
         close = difflib.get_close_matches(str(name), self._modules, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else (
             f"registered: {', '.join(sorted(self._modules)) or '(none)'}"

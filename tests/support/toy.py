@@ -291,3 +291,19 @@ class BrokenSampleDataset(ToyDataset):
         if index == self.bad_index:
             raise ValueError(f"corrupt record at offset {index * 128}")
         return super().__getitem__(index)
+
+
+@MODELS.register_module(force=True)
+class HookedToyMLP(ToyMLP, HookBase):
+    """A model that is also a hook (upstream's ModelHook forwards the phases to it)."""
+
+    def __init__(self, **kwargs):
+        ToyMLP.__init__(self, **kwargs)
+        self.phases = []
+
+    def before_train(self):
+        self.phases.append(("before_train", self.trainer.global_step))
+
+    def after_step(self):
+        self.phases.append(("after_step", self.trainer.global_step))
+        self.anomaly_mode = torch.is_anomaly_enabled()

@@ -4,8 +4,10 @@ from pimm.engines.hooks.base import PRIORITIES, HookBase
 from pimm.engines.hooks.checkpoint import CheckpointLoader, CheckpointSaver
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.hooks.information_writer import InformationWriter
+from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
+from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
 
 __all__ = ["HookBase", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EvaluatorBase", "InformationWriter",
-           "ProgressBar", "IterationTimer"]
+           "ProgressBar", "IterationTimer", "EmptyCache", "ModelHook", "FinalEvaluator"]

@@ -91,8 +91,13 @@ class EvaluatorBase(HookBase):
             trainer.validate([self])
 
     def after_epoch(self):
-        if not self.every_n_steps and self.trainer.cfg.evaluate:
-            self.trainer.validate([self])
+        trainer = self.trainer
+        if self.every_n_steps or not trainer.cfg.evaluate:
+            return
+        eval_epoch = trainer.cfg.get("eval_epoch")  # evaluations in the run (upstream's key)
+        if eval_epoch and trainer.train_state.epoch % (trainer.max_epoch // eval_epoch):
+            return  # the final weights are scored at the end whatever the interval
+        trainer.validate([self])
 
     # -- running --------------------------------------------------------
     @torch.no_grad()

@@ -30,6 +30,12 @@ class ComponentBuilders:
 
     def build_model(self) -> torch.nn.Module:
         model = MODELS.build(self.cfg.model)
+        if self.cfg.sync_bn and self.world_size > 1:
+            if self.device.type == "cuda":
+                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            else:
+                self.logger.warning("sync_bn=True needs CUDA (SyncBatchNorm has no CPU kernel): BatchNorm stays "
+                                    "per process")
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.logger.info(f"Model {type(model).__name__}: {n_params:,} trainable parameters")
         return model
@@ -39,8 +45,8 @@ class ComponentBuilders:
         if self.world_size == 1:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids,
-                                       find_unused_parameters=self.options["find_unused_parameters"])
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
+            self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))
 
     @property
     def num_workers_per_rank(self) -> int:
@@ -74,25 +80,30 @@ class ComponentBuilders:
         if not iterable and len(dataset) == 0:
             raise ConfigError(f"data.train ({type(dataset).__name__}) is empty: nothing to train on")
         interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
+        collate = self._resolve_collate(self.options["collate_fn"], dataset)
+        if self.cfg.mix_prob:
+            collate = _with_mix_prob(collate, self.cfg.mix_prob)
         return data_lib.build_train_loader(
             dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
-            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
-            collate_fn=self._resolve_collate(self.options["collate_fn"], dataset),
+            seed=self.cfg.seed, rank=self.rank, world_size=self.world_size, collate_fn=collate,
             snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
+            prefetch_factor=self.cfg.prefetch_factor,
         )
 
     def _build_eval_loader(self, split: str):
         dataset = self._build_dataset(split)
-        batch_size = self.cfg.batch_size_val or self.cfg.batch_size
+        batch_size = (self.cfg.batch_size_test if split == "test" else None) or self.cfg.batch_size_val \
+            or self.cfg.batch_size
         spec = self.options["val_collate_fn"] or self.options["collate_fn"]
         return data_lib.build_eval_loader(
             dataset, batch_size=max(1, batch_size // self.world_size), num_workers=self.num_workers_per_rank,
             seed=self.cfg.seed, rank=self.rank, world_size=self.world_size,
             collate_fn=self._resolve_collate(spec, dataset), pin_memory=self.device.type == "cuda",
+            prefetch_factor=self.cfg.prefetch_factor,
         )
 
     def _check_eval_split(self, split: str) -> None:
-        names = ", ".join(type(e).__name__ for e in self.evaluators)
+        names = ", ".join(type(e).__name__ for e in self.evaluators) or "the tester"
         data_cfg = self.cfg.get("data") or {}
         if data_cfg.get(split) is None:
             raise ConfigError(f"{names} evaluate(s) on data.{split}, which is not set: add data.{split} = "
@@ -179,3 +190,20 @@ class ComponentBuilders:
             wandb_init=dict(project=cfg.wandb_project, name=self.save_path.name, config=to_plain(cfg)),
             logger=self.logger,
         )
+
+
+def _with_mix_prob(collate, mix_prob: float):
+    """The train collate with ``mix_prob`` (upstream's runtime key): only a collate
+    that mixes events takes it (``point_collate_fn``)."""
+    import inspect
+
+    target = collate.func if isinstance(collate, functools.partial) else collate
+    try:
+        takes = "mix_prob" in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise ConfigError(f"mix_prob={mix_prob} needs a train collate function that mixes events, e.g. "
+                          "train = dict(..., collate_fn='point_collate_fn'); "
+                          f"{getattr(target, '__name__', target)!s} takes no mix_prob")
+    return functools.partial(collate, mix_prob=mix_prob)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -23,8 +24,9 @@ from pimm.engines.hooks.base import HookBase, build_hooks
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.optim_step import OptimStep
-from pimm.engines.registries import TRAINERS
-from pimm.engines.runtime import validate_runtime
+from pimm.engines.registries import TESTERS, TRAINERS
+from pimm.engines.hooks.memory import EmptyCache
+from pimm.engines.runtime import apply_process_settings, validate_runtime
 from pimm.engines.state import CheckpointManager, Retention, atomic_torch_save, load_weights, restore_latest
 from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
@@ -73,6 +75,9 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             raise ConfigError(f"train.stop_check_every={stop_check_every!r} must be a positive integer")
         self.cfg = cfg
         self.mode = mode
+        apply_process_settings(cfg)
+        if cfg.empty_cache or cfg.empty_cache_per_epoch:
+            hooks = [*hooks, EmptyCache(per_step=cfg.empty_cache, per_epoch=cfg.empty_cache_per_epoch)]
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.save_path = Path(cfg.save_path)
@@ -95,7 +100,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         if mode == "test":
             self.model = self.model_without_ddp
             self.register_hooks(hooks)
-            if self.evaluators:
+            if self.evaluators or cfg.get("test") is not None:
                 self._check_eval_split("test")
             return
 
@@ -386,14 +391,32 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         self.metrics.put("time/data", self._data_time, log=False)
 
     # -- test -----------------------------------------------------------------
-    def test(self) -> dict:
-        """Evaluate ``weight=`` on the test split with every evaluator hook (the
-        weights must fit the model exactly); write ``save_path/test_metrics.json``."""
+    def test_evaluators(self) -> list:
+        """What scores the test split: the config's tester (``test = dict(type=...)``
+        from TESTERS) when it names one, else the evaluator hooks."""
+        if self.cfg.get("test") is not None:
+            tester = TESTERS.build(self.cfg.test)
+            evaluator = tester.build_evaluator(self.cfg)
+            evaluator.trainer = weakref.proxy(self)
+            if tester.verbose:
+                self.logger.info(f"Tester {type(tester).__name__} for save_path {self.save_path}; config:\n"
+                                 f"{self.cfg.pretty_text}")
+            return [evaluator]
         if not self.evaluators:
-            raise ConfigError("tools/test.py needs an evaluator in hooks, e.g. dict(type='ClsEvaluator')")
-        load_weights(self.model_without_ddp, self.cfg.weight, logger=self.logger, strict=True)
+            raise ConfigError("testing needs an evaluator: add one to hooks (e.g. dict(type='SemSegEvaluator')) or "
+                              "test = dict(type='SemSegTester')")
+        return self.evaluators
+
+    def test(self, weight=None) -> dict:
+        """Score ``weight`` (default ``cfg.weight``; None here means the current
+        weights) on the test split; the weights must fit the model exactly.
+        Writes ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
+        weight = self.cfg.weight if weight is None and self.mode == "test" else weight
+        evaluators = self.test_evaluators()
+        if weight is not None:
+            load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
         results = {}
-        for evaluator in self.evaluators:
+        for evaluator in evaluators:
             metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
             results[type(evaluator).__name__] = metrics
             summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
@@ -405,9 +428,16 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             path = self.save_path / "test_metrics.json"
             set_aside(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"weight": str(self.cfg.weight), "metrics": results}, indent=1))
+            label = str(weight) if weight is not None else f"the weights at step {self.global_step}"
+            path.write_text(json.dumps({"weight": label, "metrics": results}, indent=1))
             self.logger.info(f"Wrote {path}")
         return results
+
+    def train(self) -> None:
+        if self.cfg.detect_anomaly:
+            with torch.autograd.detect_anomaly():
+                return super().train()
+        return super().train()
 
     def close(self) -> None:
         checkpointer = getattr(self, "checkpointer", None)

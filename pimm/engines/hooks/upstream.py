@@ -1,0 +1,94 @@
+"""Hooks of upstream pimm's default runtime that pimm provides, and what to use
+instead of the ones it does not (shown when a config names them).
+
+* ``ModelHook``: a model that is itself a :class:`HookBase` gets the phases.
+* ``FinalEvaluator(test_last=False)``: after training, score
+  ``model/model_best.pth`` (or the last weights) on ``data.test`` with the
+  config's tester (``test = dict(...)``) or its evaluators, and write
+  ``test_metrics.json`` as ``tools/test.py`` does.
+"""
+
+from __future__ import annotations
+
+from pimm.engines.hooks.base import HookBase
+from pimm.engines.registries import HOOKS
+
+__all__ = ["ModelHook", "FinalEvaluator"]
+
+_FORWARDED = ("before_train", "before_epoch", "before_step", "after_step", "after_epoch", "after_train")
+
+
+@HOOKS.register_module()
+class ModelHook(HookBase):
+    """Forwards the loop's phases to the model when the model is a hook."""
+
+    def __init__(self):
+        self._model_hook: HookBase | None = None
+
+    def before_train(self):
+        model = self.trainer.model_without_ddp
+        if isinstance(model, HookBase):
+            model.trainer = self.trainer
+            self._model_hook = model
+            model.before_train()
+
+    def _forward(phase):
+        def call(self):
+            if self._model_hook is not None:
+                getattr(self._model_hook, phase)()
+        call.__name__ = phase
+        return call
+
+    before_epoch = _forward("before_epoch")
+    before_step = _forward("before_step")
+    after_step = _forward("after_step")
+    after_epoch = _forward("after_epoch")
+    after_train = _forward("after_train")
+    del _forward
+
+
+@HOOKS.register_module()
+class FinalEvaluator(HookBase):
+    """After a completed (or requested-stop) run with ``evaluate=True``: score the
+    best model (``test_last=True``: the last weights) on ``data.test``."""
+
+    priority = "LOWEST"  # after every other hook's after_train
+
+    def __init__(self, test_last: bool = False):
+        if not isinstance(test_last, bool):
+            raise ValueError(f"test_last must be True or False, got {test_last!r}")
+        self.test_last = test_last
+
+    def after_train(self):
+        trainer = self.trainer
+        if trainer.outcome not in ("completed", "stopped") or not trainer.cfg.evaluate:
+            return
+        best = trainer.save_path / "model" / "model_best.pth"
+        weight = None if self.test_last or not best.is_file() else best
+        if weight is None and not self.test_last:
+            trainer.logger.info("FinalEvaluator: no model_best.pth (no evaluator selects a best model); testing the "
+                                "last weights")
+        trainer.test(weight)
+
+
+_INSTEAD = {
+    "CheckpointSaverIteration": "CheckpointSaver(save_freq=N) saves every N steps",
+    "SimulateCrash": "kill the process (e.g. tests/support/toy.py KillAtStep in pimm's own tests)",
+    "GradientNormLogger": "log_grad_norm=True logs train/grad_norm every step",
+    "DtypeOverrider": "enable_amp=True with amp_dtype='bfloat16' or 'float16'",
+    "ParameterCounter": "the trainer logs the number of trainable parameters at start-up",
+    "InstanceSegmentationEvaluator": "InsSegEvaluator",
+    "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
+    "WandbNamer": "use_wandb=True and wandb_project; the run is named after save_path",
+    "WeightDecayExclusion": "param_dicts=[dict(keyword='bias', weight_decay=0.0), ...]",
+    "RuntimeProfiler": "structured_logging.enabled=True, then `pimm trace summarize RUN`",
+    "GarbageHandler": "empty_cache=True / empty_cache_per_epoch=True",
+    "ResourceUtilizationLogger": "structured_logging.enabled=True (batch statistics, step phases per rank)",
+}
+for _name in ("LogitEntropyLogger", "PrototypeUsageLogger", "FeatureStdMonitor", "AttentionMaskAnnealingHook",
+              "EventLinearProbeEvaluator", "MAEEvaluator", "OnlineLinearProbe", "PretrainEvaluator",
+              "WeightDecayScheduler"):
+    _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
+                       "a hook of your own (docs/hooks.md)")
+for _name, _hint in _INSTEAD.items():
+    HOOKS.add_hint(_name, f"use {_hint}" if not _hint.startswith("a ") else _hint)

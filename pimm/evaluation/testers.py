@@ -1,0 +1,31 @@
+"""The testers of upstream pimm's vocabulary (``test = dict(type=...)``), each
+the matching evaluator run on ``data.test`` (see :mod:`pimm.engines.testers`).
+Their options are the evaluator's, plus ``verbose``."""
+
+from __future__ import annotations
+
+from pimm.engines.registries import TESTERS
+from pimm.engines.testers import TesterBase
+
+__all__ = ["SemSegTester", "InsSegTester", "ClsTester"]
+
+
+@TESTERS.register_module()
+class SemSegTester(TesterBase):
+    """Semantic segmentation (``SemSegEvaluator``: ``ignore_index``, ``macro_ignore_class_ids``, ...)."""
+
+    evaluator_type = "SemSegEvaluator"
+
+
+@TESTERS.register_module(["InsSegTester", "InstanceSegTester"])
+class InsSegTester(TesterBase):
+    """Instance segmentation (``InsSegEvaluator``)."""
+
+    evaluator_type = "InsSegEvaluator"
+
+
+@TESTERS.register_module(["ClsTester", "ClsVoteTester"])
+class ClsTester(TesterBase):
+    """Classification (``ClsEvaluator``)."""
+
+    evaluator_type = "ClsEvaluator"
