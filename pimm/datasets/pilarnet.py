@@ -63,8 +63,8 @@ def _split_files(root: str, splits: Sequence[str]) -> list[str]:
 
 def _resolve_files(data_root: str | os.PathLike, splits: Sequence[str]) -> list[str]:
     """``data_root`` may be a file, a directory (``<dir>/*<split>/*.h5``, else
-    ``<dir>/*.h5``) or a glob pattern."""
-    root = str(data_root)
+    ``<dir>/*.h5``) or a glob pattern; ``~`` is expanded."""
+    root = os.path.expanduser(str(data_root))
     if os.path.isfile(root):
         return [root]
     if os.path.isdir(root):
