@@ -8,16 +8,18 @@ both keep every step's loss (on the device, fetched every 20 steps).
 pimm runs exactly as a user's config would: built in-process through
 ``load_config`` / ``build_trainer`` with the default hooks of
 ``configs/_base_/default_runtime.py`` (CheckpointLoader, IterationTimer,
-InformationWriter(log_frequency=20), ProgressBar, CheckpointSaver with only
-the epoch-end save), a train.log, metrics.jsonl and TensorBoard. ``epoch=1``
-over 256 batches, so the run writes exactly one checkpoint, at its end.
+InformationWriter(log_frequency=20), ProgressBar, CheckpointSaver with the
+epoch-end saves), a train.log, metrics.jsonl and TensorBoard: ``epoch=2`` over
+128 batches each, so the run writes two checkpoints (and model_last.pth).
 
-What is timed: the epoch loop (``trainer.run_epoch``: creating the epoch's
-data iterator, then 256 x (before_step hooks, run_step, after_step hooks)),
-against the raw loop's ``for batch in loader`` over 256 steps. Construction
-is excluded on both sides; the epoch-end checkpoint is excluded from the
-ratio and reported separately (``pimm_train_total`` is the whole
-``trainer.train()``, checkpoint and writer close included).
+What is timed: the epoch loops (``trainer._run_epochs``: per epoch, the data
+iterator, 128 x (before_step hooks, run_step, after_step hooks), then the
+after_epoch hooks, whose CheckpointSaver saves a checkpoint: the training
+thread blocks for the state copy, a background writer writes and commits),
+against the raw loop's ``for epoch: for batch in loader`` over the same 256
+steps, which writes no checkpoint. Construction is excluded on both sides;
+the wait for the last checkpoint's commit at the end of training is reported
+separately (``pimm train() total`` includes it and the writer's close).
 
 Rounds alternate raw/pimm (ABAB...) after one untimed warm-up of each, and
 the medians of the per-round ms/step give ``overhead_ratio = pimm / raw``.
@@ -61,7 +63,8 @@ from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.registries import DATASETS, MODELS  # noqa: E402
 from pimm.utils.logger import setup_logger  # noqa: E402
 
-STEPS = 256
+STEPS = 256  # in all, over EPOCHS epochs
+EPOCHS = 2
 BATCH = 64
 IN_DIM = 32
 HIDDEN = 256
@@ -114,7 +117,7 @@ CONFIG = """
 _base_ = {base!r}
 save_path = {save_path!r}
 seed = {seed}
-epoch = 1
+epoch = {epochs}
 batch_size = {batch}
 num_worker = 0
 model = dict(type="BenchMLP", in_dim={in_dim}, hidden={hidden}, num_layers=3, num_classes={classes})
@@ -137,7 +140,7 @@ def lr_factor(step: int, total: int = STEPS) -> float:
 def run_raw(seed: int) -> dict:
     """The hand-written loop; returns its wall and CPU seconds."""
     torch.manual_seed(seed)
-    dataset = BenchTensorDataset(STEPS * BATCH)
+    dataset = BenchTensorDataset(STEPS // EPOCHS * BATCH)
     model = BenchMLP(hidden=HIDDEN)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
@@ -146,16 +149,17 @@ def run_raw(seed: int) -> dict:
     pending: list[torch.Tensor] = []
     gc.collect()
     cpu_start, start = time.process_time(), time.perf_counter()
-    for batch in loader:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(batch)["loss"]
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        pending.append(loss.detach())
-        if len(pending) == LOG_EVERY:
-            losses.extend(torch.stack(pending).tolist())
-            pending.clear()
+    for _ in range(EPOCHS):
+        for batch in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(batch)["loss"]
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            pending.append(loss.detach())
+            if len(pending) == LOG_EVERY:
+                losses.extend(torch.stack(pending).tolist())
+                pending.clear()
     if pending:
         losses.extend(torch.stack(pending).tolist())
     loop, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -169,7 +173,8 @@ def build_pimm(workdir: Path, tag: str, seed: int):
     cfg_file = workdir / f"{tag}_cfg.py"
     cfg_file.write_text(CONFIG.format(
         base=str(ROOT / "configs" / "_base_" / "default_runtime.py"), save_path=str(save_path), seed=seed,
-        batch=BATCH, in_dim=IN_DIM, hidden=HIDDEN, classes=NUM_CLASSES, samples=STEPS * BATCH, lr=LR,
+        batch=BATCH, in_dim=IN_DIM, hidden=HIDDEN, classes=NUM_CLASSES, samples=STEPS // EPOCHS * BATCH, lr=LR,
+        epochs=EPOCHS,
         wd=WEIGHT_DECAY, warmup=WARMUP_RATIO))
     cfg, hooks = load_config(str(cfg_file), [], world_size=1)
     # train.log as the CLI writes it, minus the console copy (it would flood this output).
@@ -183,22 +188,22 @@ def build_pimm(workdir: Path, tag: str, seed: int):
 def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None) -> dict:
     trainer = build_pimm(workdir, tag, seed)
     timing = {}
-    inner = trainer.run_epoch
+    inner = trainer._run_epochs
 
-    def timed_run_epoch():
+    def timed_run_epochs():
         # An instance attribute shadows the method for TrainerBase.train only;
         # nothing else about the loop changes.
         if profiler is not None:
             profiler.enable()
         cpu_start, start = time.process_time(), time.perf_counter()
         try:
-            inner()
+            return inner()
         finally:
             timing["loop"], timing["cpu"] = time.perf_counter() - start, time.process_time() - cpu_start
             if profiler is not None:
                 profiler.disable()
 
-    trainer.run_epoch = timed_run_epoch
+    trainer._run_epochs = timed_run_epochs
     gc.collect()
     start = time.perf_counter()
     trainer.train()
@@ -320,7 +325,7 @@ def measure_components(workdir: Path, chunk: int = 100) -> None:
                 state.samples_seen += trainer.samples_per_step
                 for fn in after:
                     fn()
-                trainer.preemption.should_stop(state.global_step)
+                trainer.control.should_stop(state.global_step)
             _drain_tensorboard(trainer)
         return run
 
@@ -335,7 +340,7 @@ def measure_components(workdir: Path, chunk: int = 100) -> None:
 
     def without_tb():
         # The same writer with its TensorBoard handle switched off for this call.
-        trainer.writer.flush()
+        trainer.metrics.flush()
         tb, trainer.writer._tb = trainer.writer._tb, None
         try:
             with_tb()
@@ -409,11 +414,12 @@ def main() -> None:
               f"CosineWarmupLR(warmup_ratio={WARMUP_RATIO}), 1 thread, num_workers 0; "
               f"pimm hooks: the default_runtime.py defaults")
         print(f"pimm checkpoints per run: {len(warm['checkpoints'])} ({', '.join(warm['checkpoints'])}), "
-              f"the epoch-end save; excluded from ms/step")
+              f"the epoch-end saves; their blocking part is inside ms/step")
         print(f"LR schedule check: max |pimm train/lr - raw lr after step| = {after_gap:.1e} "
               f"(vs lr used by the step: {used_gap:.1e})")
-        print(f"pimm train() total (loop + epoch-end checkpoint + close), median {total_ms:.0f} ms; "
-              f"outside the loop (before_train, epoch-end save, close) median {tail_ms:.0f} ms")
+        print(f"pimm train() total (loops + the last checkpoint's commit + close), median {total_ms:.0f} ms; "
+              f"outside the loops (restore, before_train, the wait for the last commit, close) median "
+              f"{tail_ms:.0f} ms")
         print(f"cpu time (process_time, all threads) per step: raw {med('raw', 'cpu'):.4f} ms  "
               f"pimm {med('pimm', 'cpu'):.4f} ms  cpu_overhead_ratio={_median_ratio(rows, 'cpu'):.4f} "
               f"(median of per-round ratios: wall {_median_ratio(rows, 'loop'):.4f})")

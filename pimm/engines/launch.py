@@ -27,6 +27,7 @@ from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
+from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
 from pimm.utils.config import Config
 from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
@@ -77,9 +78,12 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     return cfg, hooks
 
 
-def build_trainer(cfg, mode: str = "train", hooks=None):
+def build_trainer(cfg, mode: str = "train", hooks=None, tracer=None):
     train_cfg = dict(cfg.train)
-    return TRAINERS.build(dict(train_cfg, cfg=cfg, hooks=hooks, **({"mode": "test"} if mode == "test" else {})))
+    extra = {"mode": "test"} if mode == "test" else {}
+    if tracer is not None:
+        extra["tracer"] = tracer
+    return TRAINERS.build(dict(train_cfg, cfg=cfg, hooks=hooks, **extra))
 
 
 def _resume_after_elastic_restart(cfg) -> None:
@@ -169,17 +173,25 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     if rank == 0 and mode == "train":
         write_config(cfg)
     logger = setup_logger(cfg.save_path, rank, log_name="train.log" if mode == "train" else "test.log")
+    number = None
     if rank == 0:
         attempt = AttemptRecord(cfg.save_path, mode, comm.get_world_size())
         record = attempt.start()
         attempt_box.append(attempt)
+        number = attempt.attempt
         logger.info(f"pimm {mode}: {args.config_file} (save_path {cfg.save_path}, seed {cfg.seed})")
         logger.info(attempt.summary(record))
         for held in lock:
             if held.took_over:
                 logger.warning(held.took_over)
+    number = comm.broadcast_object(number)
+    tracer = None
+    if mode == "train":
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+        tracer = build_tracer(cfg.structured_logging, cfg.save_path, rank, comm.get_world_size(), attempt=number,
+                              job=job)
     try:
-        trainer = build_trainer(cfg, mode, hooks)
+        trainer = build_trainer(cfg, mode, hooks, tracer=tracer)
         if mode == "train":
             trainer.train()
         else:

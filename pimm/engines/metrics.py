@@ -88,8 +88,9 @@ class BestMetric:
 
 class MetricChannel:
     def __init__(self, sink: Callable[[list[dict], list[tuple]], None] | None = None, max_pending: int = 1000,
-                 window: int = 20, watch_finite: tuple[str, ...] = ("train/loss",)):
+                 window: int = 20, watch_finite: tuple[str, ...] = ("train/loss",), tracer=None):
         self.sink = sink
+        self.tracer = tracer
         self.max_pending = max_pending
         self.watch_finite = set(watch_finite)
         self.step, self.epoch = 0, 0  # set by the trainer at each step boundary
@@ -177,7 +178,10 @@ class MetricChannel:
         pending, self._pending = self._pending, []
         if not pending:
             return []
+        t0 = self.tracer.now() if self.tracer is not None else 0
         values = _reduce_tensors(pending)
+        if self.tracer is not None:
+            self.tracer.complete("metric_sync", t0)
         records, kinds = [], []
         for index, (step, epoch, scalars, reduce, dense) in enumerate(pending):
             record = {"step": step, "epoch": epoch}

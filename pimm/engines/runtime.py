@@ -142,6 +142,12 @@ def _choice_or_none(*choices):
     return check
 
 
+def _structured_logging(key, value):
+    from pimm.engines.tracing import validate_options
+
+    return validate_options(value)
+
+
 def _dict_or_none(key, value):
     if value is not None and not isinstance(value, dict):
         raise ConfigError(f"{key} must be a dict(type=...) or None, got {value!r}")
@@ -196,6 +202,9 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("find_unused_parameters", False, _bool, "passed to DDP (also a train option)"),
     RuntimeKey("prefetch_factor", None, _int(1, allow_none=True),
                "batches each data worker loads ahead (None: torch's default, 2)"),
+    RuntimeKey("structured_logging", dict(enabled=False, trace_hooks=False, batch_stats_every=1,
+                                          max_bytes=32 * 1024 * 1024, max_files=20, flush_every_s=1.0),
+               _structured_logging, "per-rank step traces under save_path/trace/ (`pimm trace summarize RUN`)"),
     RuntimeKey("checkpoint_format", None, _choice_or_none("standard", "dcp", "legacy", "torch"),
                "accepted for upstream configs: pimm always writes its verified checkpoints/ layout"),
     RuntimeKey("train", dict(type="DefaultTrainer"), _typed_dict, "the trainer and its options"),

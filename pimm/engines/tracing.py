@@ -240,13 +240,15 @@ class Tracer:
         self.flush()
 
     def end(self, name: str, **args) -> None:
-        """End the most recent open long span ``name`` (extra ``args`` are merged into its own)."""
+        """End the most recent open long span ``name`` (extra ``args`` are merged into
+        its own); its ``X`` record reaches the OS before this returns."""
         t1 = perf_counter_ns()
         for i in range(len(self._open) - 1, -1, -1):
             if self._open[i][0] == name:
                 _, step, epoch, t0, begin_args = self._open.pop(i)
                 merged = {**(begin_args or {}), **args} or None
                 self._append(("X", name, step, epoch, t0, t1 - t0, merged, None))
+                self.flush()  # a long span's end is as visible as its start: no false "still running"
                 return
         _logger.warning(f"tracer: end({name!r}) without a matching begin; ignored")
 

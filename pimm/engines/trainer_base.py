@@ -37,6 +37,7 @@ from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import PHASES, HookBase, get_priority
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
+from pimm.engines.tracing import NULL_TRACER
 from pimm.utils.errors import TrainingPreempted, UserError
 
 __all__ = ["TrainerBase"]
@@ -68,6 +69,7 @@ class TrainerBase:
         self.logger = logging.getLogger("pimm")
         self.control = StopControl(preempt_signals=())
         self.outcome = "running"
+        self.tracer = NULL_TRACER  # structured step tracing (pimm.engines.tracing), off by default
 
     # -- state views ----------------------------------------------------
     @property
@@ -90,13 +92,23 @@ class TrainerBase:
             hook.priority = get_priority(hook.priority)
             hook.trainer = proxy
         self.hooks = sorted(self.hooks + list(hooks), key=lambda h: h.priority)
+        traced = self.tracer.enabled and self.tracer.trace_hooks
         self._dispatch = {
-            phase: tuple(getattr(h, phase) for h in self.hooks if h.overrides(phase)) for phase in PHASES
+            phase: tuple(_traced_hook(self.tracer, h, phase) if traced else getattr(h, phase)
+                         for h in self.hooks if h.overrides(phase))
+            for phase in PHASES
         }
 
     def call_hooks(self, phase: str, *args) -> None:
         """Run ``phase`` on every hook that overrides it, in priority order."""
-        for fn in self._dispatch[phase]:
+        fns = self._dispatch[phase]
+        if fns and self.tracer.enabled:
+            t0 = self.tracer.now()
+            for fn in fns:
+                fn(*args)
+            self.tracer.complete(phase, t0)
+            return
+        for fn in fns:
             fn(*args)
 
     # -- control --------------------------------------------------------
@@ -111,13 +123,17 @@ class TrainerBase:
     # -- lifecycle ------------------------------------------------------
     def train(self) -> None:
         """Run training to ``max_epoch`` or until a stop (see the module docstring)."""
+        tracer = self.tracer
         try:
             self.control.install()
             restored = self.restore()
             self.epoch = self.train_state.epoch
             self.metrics.step, self.metrics.epoch = self.train_state.global_step, self.train_state.epoch + 1
             if restored:
+                tracer.instant("resume", from_step=self.train_state.global_step)
                 self.call_hooks("after_load_checkpoint")
+            tracer.step, tracer.epoch = self.train_state.global_step, self.train_state.epoch + 1
+            tracer.instant("train_start")
             self.call_hooks("before_train")
             if self.train_state.epoch >= self.max_epoch:
                 self.logger.info(
@@ -125,6 +141,8 @@ class TrainerBase:
                     "(raise `epoch` to extend this run)"
                 )
             stopped = self._run_epochs()
+            if stopped:
+                tracer.instant("preempted" if self.control.preempted else "stop", reason=self.control.describe())
             self.finish(stopped)
             self.outcome = ("preempted" if self.control.preempted else "stopped") if stopped else "completed"
         except BaseException as exc:
@@ -138,8 +156,10 @@ class TrainerBase:
             try:
                 self.call_hooks("after_train")
             finally:
+                tracer.instant("train_end", outcome=self.outcome)
                 self.control.uninstall()
                 self.close()
+                tracer.close()
         if self.outcome == "preempted":
             raise TrainingPreempted(self.control.describe())
 
@@ -148,7 +168,7 @@ class TrainerBase:
         state = self.train_state
         while state.epoch < self.max_epoch:
             self.epoch = state.epoch
-            self.metrics.epoch = state.epoch + 1
+            self.metrics.epoch = self.tracer.epoch = state.epoch + 1
             self.call_hooks("before_epoch")
             if self.run_epoch():
                 return True
@@ -161,6 +181,8 @@ class TrainerBase:
 
     def run_epoch(self) -> bool:
         """The step loop of one epoch; True when it was left by a stop."""
+        if self.tracer.enabled:
+            return self._run_epoch_traced()
         state = self.train_state
         before, after = self._dispatch["before_step"], self._dispatch["after_step"]
         control = self.control
@@ -183,6 +205,35 @@ class TrainerBase:
                 return True
         return False
 
+    def _run_epoch_traced(self) -> bool:
+        """:meth:`run_epoch` with a span per step and per hook phase (tracing on)."""
+        state, tracer = self.train_state, self.tracer
+        before, after = self._dispatch["before_step"], self._dispatch["after_step"]
+        control, distributed = self.control, self.control.distributed
+        info, metrics = self.comm_info, self.metrics
+        while state.iter_in_epoch < self.iters_per_epoch:
+            tracer.step = state.global_step + 1
+            start = t = tracer.now()
+            for fn in before:
+                fn()
+            if before:
+                t = tracer.complete("before_step", t)
+            self.run_step()
+            t = tracer.now()
+            state.iter_in_epoch += 1
+            state.global_step += 1
+            state.samples_seen += self.samples_per_step
+            info["iter"] = state.iter_in_epoch
+            metrics.step = state.global_step
+            for fn in after:
+                fn()
+            if after:
+                tracer.complete("after_step", t)
+            tracer.complete("step", start)
+            if (control.pending or distributed) and control.should_stop(state.global_step):
+                return True
+        return False
+
     # -- for subclasses -------------------------------------------------
     def run_step(self) -> None:
         """One optimizer step (forward, backward, ``after_backward``, update)."""
@@ -200,3 +251,18 @@ class TrainerBase:
 
     def close(self) -> None:
         """Release resources (writers, loader workers); called once at the end."""
+
+
+def _traced_hook(tracer, hook, phase: str):
+    """``hook.<phase>`` recording its own span (``structured_logging.trace_hooks``)."""
+    fn = getattr(hook, phase)
+    name = f"{phase}:{type(hook).__name__}"
+
+    def traced(*args):
+        t0 = tracer.now()
+        try:
+            return fn(*args)
+        finally:
+            tracer.complete(name, t0)
+    traced.__self__ = hook  # dispatch introspection (which hook a phase calls) keeps working
+    return traced

@@ -190,6 +190,7 @@ class CheckpointManager:
         self.last_blocking_s = 0.0  # how long the training thread waited in the last save
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
+        self.tracer = None  # records the background write as a span on its own thread
         self._shared: dict[str, Any] = {}
         self._per_rank: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
@@ -319,6 +320,9 @@ class CheckpointManager:
         for obj, path in after_commit:
             atomic_torch_save(obj, path)
         self.logger.info(f"Saved checkpoint {final} ({time.perf_counter() - start:.2f}s)")
+        if self.tracer is not None:
+            self.tracer.complete("checkpoint_commit", self.tracer.now() - int((time.perf_counter() - start) * 1e9),
+                                 thread="checkpoint-writer" if self.async_write else None)
 
     def _move_aside(self, path: Path) -> Path:
         index = 1

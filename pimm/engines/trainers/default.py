@@ -61,8 +61,10 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
 
     def __init__(self, cfg, hooks: list[HookBase] | None = None, mode: str = "train", collate_fn=None,
                  val_collate_fn=None, iters_per_epoch=None, find_unused_parameters: bool = False,
-                 stop_check_every: int = 10):
+                 stop_check_every: int = 10, tracer=None):
         super().__init__()
+        if tracer is not None:
+            self.tracer = tracer
         if mode not in ("train", "test"):
             raise ConfigError(f"trainer mode must be 'train' or 'test', got {mode!r}")
         self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
@@ -89,8 +91,10 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         self.checkpointer = CheckpointManager(self.save_path / "checkpoints", logger=self.logger)
         self.evaluators = [h for h in hooks if isinstance(h, EvaluatorBase)]
 
+        tracer = self.tracer
         seed_all(derive_seed(cfg.seed, 0))  # identical model init on every rank
-        self.model_without_ddp = self.build_model().to(self.device)
+        with tracer.long_span("build_model"):
+            self.model_without_ddp = self.build_model().to(self.device)
         self.autocast = self._build_autocast()
         self.train_loader = None
         self._val_loader = self._test_loader = None
@@ -109,22 +113,26 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         self._checkpoint_interval = min(
             [h.checkpoint_interval for h in hooks if getattr(h, "checkpoint_interval", None)] or [0]
         )
-        self.train_loader = self.build_train_loader()
-        self.iters_per_epoch = self._compute_iters_per_epoch()
-        if self.evaluators and cfg.evaluate:
-            self._check_eval_split("val")  # found now, not after the first epoch
+        with tracer.long_span("build_loaders"):
+            self.train_loader = self.build_train_loader()
+            self.iters_per_epoch = self._compute_iters_per_epoch()
+            if self.evaluators and cfg.evaluate:
+                self._check_eval_split("val")  # found now, not after the first epoch
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
-        self.optimizer = self.build_optimizer()
-        self.scheduler = self.build_scheduler()
-        self.scaler = self.build_scaler()
+        with tracer.long_span("build_optimizer"):
+            self.optimizer = self.build_optimizer()
+            self.scheduler = self.build_scheduler()
+            self.scaler = self.build_scaler()
         self.track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
         self.track("scheduler", SchedulerParticipant(self.scheduler))
         self.track("scaler", self.scaler)
         self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                     clip_grad=cfg.clip_grad, model=self.model,
                                     track_grad_norm=cfg.log_grad_norm)
-        self.writer = self.build_writer()
-        self.metrics = MetricChannel(sink=self.writer.write)
+        with tracer.long_span("build_writer"):
+            self.writer = self.build_writer()
+        self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
+        self.checkpointer.tracer = tracer
         self.control = StopControl(cfg.preempt_signals, check_every=stop_check_every)
         self.train_state.load_state_dict(dict(
             world_size=self.world_size, batch_size_per_rank=self.batch_size_per_rank,
@@ -142,7 +150,8 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             if isinstance(getattr(hook, "retention", None), Retention):
                 self.checkpointer.retention = hook.retention
                 self.checkpointer.async_write = hook.async_write
-        self.register_hooks(hooks)
+        with tracer.long_span("build_hooks"):
+            self.register_hooks(hooks)
         if not hooks:
             self.logger.warning("hooks = []: nothing will log the training loss, evaluate or save checkpoints "
                                 "(list CheckpointSaver, InformationWriter, ... to get them)")
@@ -170,8 +179,9 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         otherwise ``weight=``: copy matching weights into the model."""
         cfg = self.cfg
         if cfg.resume:
-            context = restore_latest(self.checkpointer, self.world_size, flatten_config(cfg), self.logger,
-                                     allow_fresh=cfg.resume == "allow_fresh")
+            with self.tracer.long_span("checkpoint_load"):
+                context = restore_latest(self.checkpointer, self.world_size, flatten_config(cfg), self.logger,
+                                         allow_fresh=cfg.resume == "allow_fresh")
             if context is not None:
                 state = self.train_state
                 self._last_saved_step = state.global_step
@@ -199,6 +209,10 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         (a collective: every rank calls it at the same step)."""
         if self._last_saved_step == self.global_step:
             return
+        with self.tracer.long_span("checkpoint_save"):
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         self.call_hooks("before_save_checkpoint")
         self.metrics.flush()  # the writer's offset must cover everything logged up to here
         best = self.metrics.best
@@ -233,6 +247,10 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
         dispatch ``before_val`` / ``after_val(metrics)``. ``kind``: scheduled,
         final, on_demand (metrics only: no best model, no side effects)."""
+        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind):
+            return self._validate(evaluators, model, prefix, kind)
+
+    def _validate(self, evaluators, model, prefix: str, kind: str) -> dict:
         evaluators = self.evaluators if evaluators is None else evaluators
         self.validation_kind, self.validation_prefix = kind, prefix
         self.call_hooks("before_val")
@@ -309,6 +327,8 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
     def next_batch(self):
         """The next training batch, on the device; the time it took is ``time/data``."""
         start = time.perf_counter()
+        tracer = self.tracer
+        t = tracer.now()
         try:
             batch = next(self._data_iter)
         except StopIteration:
@@ -316,7 +336,9 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
                 f"the training data ran out after {self.iter} of {self.iters_per_epoch} steps in epoch "
                 f"{self.epoch + 1}; lower train.iters_per_epoch or fix the data set's length"
             ) from None
+        t = tracer.complete("data_fetch", t)
         batch = self._to_device(batch)
+        tracer.complete("batch_to_device", t)
         self._data_time += time.perf_counter() - start
         return batch
 
@@ -365,17 +387,25 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         accum = self.grad_accum_steps
         optim_step = self.optim_step
         step_loss = None
+        tracer = self.tracer
         for micro in range(accum):
             batch = self.next_batch()
             with optim_step.sync(last=micro == accum - 1):
+                t = tracer.now()
                 output = self.forward(batch)
                 loss = output["loss"] / accum if accum > 1 else output["loss"]
+                t = tracer.complete("forward", t)
                 optim_step.backward(loss)
+                tracer.complete("backward", t)
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         # Visible to after_backward hooks (called inside step()) and after_step hooks.
         info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
+        t = tracer.now()
         self.step_result = optim_step.step()
+        tracer.complete("optimizer", t)
         self.publish_step(step_loss, self.step_result, output)
+        if tracer.batch_stats_every and tracer.step % tracer.batch_stats_every == 0:
+            tracer.counter("batch", **batch_stats(batch, self.batch_size_per_rank * accum))
 
     def publish_step(self, loss: torch.Tensor, result, output: dict | None = None) -> None:
         """This step's scalars: ``train/loss``, ``train/lr`` (the rate the step used),
@@ -462,3 +492,13 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
                 if loader is not None:
                     data_lib.shutdown_loader(loader)
 
+
+
+def batch_stats(batch, samples: int) -> dict:
+    """What a ``batch`` trace counter records: samples, and for point-cloud batches
+    (an ``offset`` of cumulative event ends, see docs/contract.md) the points."""
+    stats = {"samples": samples}
+    offset = batch.get("offset") if isinstance(batch, dict) else None
+    if isinstance(offset, torch.Tensor) and offset.numel():
+        stats["points"] = int(offset[-1])
+    return stats

@@ -305,10 +305,14 @@ class GRPOTrainer(DefaultTrainer):
                     f"the checkpoint at step {self.global_step} was taken between two updates of a rollout, and "
                     "not every process has that rollout (the number of processes changed?); resume with the "
                     "number of processes that saved it")
+        tracer = self.tracer
         if update_index == 0:
             batch = self.next_batch()
+            t = tracer.now()
             cache.start(self._sample_rollout(batch), batch)
+            tracer.complete("rollout", t)
             self.train_state.samples_seen += self.batch_size_per_rank * self.world_size
+        t = tracer.now()
         micro_batches = split_rollout(cache.rollout, self.trajectory_microbatch_size)
         outputs = []
         optim_step = self.optim_step
@@ -326,6 +330,7 @@ class GRPOTrainer(DefaultTrainer):
         info["input_dict"], info["loss"] = cache.batch, metrics["loss"]
         info["model_output_dict"] = {**metrics, **cache.rollout.get("metrics", {})}
         self.step_result = result = optim_step.step()
+        tracer.complete("policy_update", t)
         scalars = {**metrics, **cache.rollout.get("metrics", {}), "grad_norm": result.grad_norm}
         if optim_step.scaler is not None:
             scalars["amp_step_skipped"] = torch.tensor(0.0 if result.stepped else 1.0)
