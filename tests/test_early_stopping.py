@@ -23,39 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402
-
-pimm.cli.register_all()
-
 from pimm.engines import HOOKS, HookBase  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from pimm.engines.state.manager import CheckpointManager  # noqa: E402
 from pimm.utils.errors import ConfigError, RegistryError  # noqa: E402
+from tests.support import inprocess  # noqa: E402
+from tests.support.inprocess import committed_steps, hook_of  # noqa: E402
 from tests.support.run import ROOT as REPO, env, final_weights, train_losses, write_toy_config  # noqa: E402
-
-SMALL = """
-epoch = 10
-data = dict(
-    train=dict(type="ToyDataset", num_samples=64),
-    val=dict(type="ToyDataset", num_samples=32, seed=1),
-    test=dict(type="ToyDataset", num_samples=32, seed=2),
-)
-"""
 
 
 def make_trainer(directory: Path, hooks: str, extra: str = "", options=()):
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg_path = write_toy_config(directory, directory / "run", SMALL + f"hooks = {hooks}\n" + extra)
-    cfg, built = load_config(str(cfg_path), list(options), world_size=1)
-    return build_trainer(cfg, hooks=built)
-
-
-def hook_of(trainer, name: str):
-    return next(h for h in trainer.hooks if type(h).__name__ == name)
-
-
-def committed_steps(save_path: Path) -> list[int]:
-    return [int(p.name[4:13]) for p in CheckpointManager(save_path / "checkpoints").committed()]
+    return inprocess.make_trainer(directory, hooks, extra, options, epoch=10)
 
 
 def scripted(values, every=2, greater_is_better=True, stopper="", saver='dict(type="CheckpointSaver", save_freq=100)'):

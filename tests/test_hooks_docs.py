@@ -21,14 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402
-
-pimm.cli.register_all()
-
 from pimm.engines import HOOKS  # noqa: E402
 from pimm.engines.hooks.base import build_hooks  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from tests.support.run import write_toy_config  # noqa: E402
+from tests.support.inprocess import make_trainer  # noqa: E402
 
 DOC = ROOT / "docs" / "hooks.md"
 # Evaluators that need point-cloud data: their examples are built, not trained with.
@@ -76,16 +71,6 @@ def test_each_example_builds_and_trains(tmp_path, heading, index, block):
     assert heading in {type(hook).__name__ for hook in built}
     if {h["type"] for h in hooks} & NOT_ON_THE_TOY_TASK:
         return
-    cfg_path = write_toy_config(tmp_path, tmp_path / "run", f"""
-epoch = 1
-data = dict(
-    train=dict(type="ToyDataset", num_samples=64),
-    val=dict(type="ToyDataset", num_samples=32, seed=1),
-    test=dict(type="ToyDataset", num_samples=32, seed=2),
-)
-hooks = {hooks!r}
-""")
-    cfg, built = load_config(str(cfg_path), [], world_size=1)
-    trainer = build_trainer(cfg, hooks=built)
+    trainer = make_trainer(tmp_path, repr(hooks), epoch=1)
     trainer.train()
     assert trainer.outcome == "completed" and trainer.global_step == 4

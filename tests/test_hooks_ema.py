@@ -8,7 +8,6 @@ In-process trainers use the toy task (4 steps per epoch); the DDP test runs
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,43 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402
-
-pimm.cli.register_all()
-
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.base import build_hooks  # noqa: E402
 from pimm.engines.hooks.ema import EMAHook, ema_decay  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.metrics import MetricChannel  # noqa: E402
 from pimm.engines.optim_step import StepResult  # noqa: E402
 from pimm.utils.errors import ConfigError, RegistryError  # noqa: E402
+from tests.support.inprocess import hook_of, make_trainer, records  # noqa: E402
 from tests.support.run import run_tool, write_toy_config  # noqa: E402
 from tests.support.toy import ToyMLP, WeightsRecorder  # noqa: E402
-
-SMALL = """
-epoch = 2
-data = dict(
-    train=dict(type="ToyDataset", num_samples=64),
-    val=dict(type="ToyDataset", num_samples=32, seed=1),
-    test=dict(type="ToyDataset", num_samples=32, seed=2),
-)
-"""
-
-
-def make_trainer(directory: Path, hooks: str, extra: str = "", options=()):
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg_path = write_toy_config(directory, directory / "run", SMALL + f"hooks = {hooks}\n" + extra)
-    cfg, built = load_config(str(cfg_path), list(options), world_size=1)
-    return build_trainer(cfg, hooks=built)
-
-
-def hook_of(trainer, name: str):
-    return next(h for h in trainer.hooks if type(h).__name__ == name)
-
-
-def records(save_path: Path) -> list[dict]:
-    return [json.loads(line) for line in open(save_path / "metrics.jsonl")]
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ toy runs have 4 steps per epoch.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,41 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402
-
-pimm.cli.register_all()
-
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.nan_guard import NaNGuard, NonFiniteStep  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager  # noqa: E402
+from tests.support import inprocess  # noqa: E402
+from tests.support.inprocess import committed_steps, records  # noqa: E402
 from tests.support.run import final_weights, run_tool, write_toy_config  # noqa: E402
 from tests.support.toy import WeightsRecorder  # noqa: E402
 
-SMALL = """
-epoch = 2
-data = dict(
-    train=dict(type="ToyDataset", num_samples=64),
-    val=dict(type="ToyDataset", num_samples=32, seed=1),
-    test=dict(type="ToyDataset", num_samples=32, seed=2),
-)
-"""
-
 
 def make_trainer(directory: Path, hooks: str, nan_calls=(), extra: str = ""):
-    directory.mkdir(parents=True, exist_ok=True)
-    model = f"model = dict(type='ToyFlakyMLP', nan_calls={list(nan_calls)})\n"
-    cfg_path = write_toy_config(directory, directory / "run", SMALL + model + f"hooks = {hooks}\n" + extra)
-    cfg, built = load_config(str(cfg_path), [], world_size=1)
-    return build_trainer(cfg, hooks=built)
-
-
-def records(save_path: Path) -> list[dict]:
-    return [json.loads(line) for line in open(save_path / "metrics.jsonl")]
-
-
-def committed_steps(save_path: Path) -> list[int]:
-    return [int(p.name[4:13]) for p in CheckpointManager(save_path / "checkpoints").committed()]
+    """A toy trainer whose loss is NaN on the training forward calls ``nan_calls``."""
+    return inprocess.make_trainer(directory, hooks, f"model = dict(type='ToyFlakyMLP', nan_calls={list(nan_calls)})\n"
+                                  + extra)
 
 
 @pytest.fixture(autouse=True)

@@ -21,16 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402
-
-pimm.cli.register_all()
-
 import pimm.engines.state.manager as manager_module  # noqa: E402
 from pimm.engines.hooks.base import build_hooks  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager, Retention  # noqa: E402
 from pimm.utils.errors import RegistryError  # noqa: E402
-from tests.support.run import write_toy_config  # noqa: E402
+from tests.support import inprocess  # noqa: E402
 
 
 class Counter:
@@ -179,22 +174,9 @@ def test_on_resume_a_damaged_newest_checkpoint_never_costs_the_one_resumed_from(
     assert [p.name for p in tmp_path.glob(".damaged-*")] == ["." + "damaged-" + damaged.name + "-1"]
 
 
-SMALL = """
-epoch = 3
-data = dict(
-    train=dict(type="ToyDataset", num_samples=64),
-    val=dict(type="ToyDataset", num_samples=32, seed=1),
-    test=dict(type="ToyDataset", num_samples=32, seed=2),
-)
-"""
-
-
 def make_trainer(directory: Path, saver: str, options=()):
-    directory.mkdir(parents=True, exist_ok=True)
     hooks = f'[dict(type="ScriptedEvaluator", values=[0.1, 0.9, 0.5, 0.4, 0.3, 0.2], every_n_steps=2), {saver}]'
-    cfg_path = write_toy_config(directory, directory / "run", SMALL + f"hooks = {hooks}\n")
-    cfg, built = load_config(str(cfg_path), list(options), world_size=1)
-    return build_trainer(cfg, hooks=built)
+    return inprocess.make_trainer(directory, hooks, options=options, epoch=3)
 
 
 def test_trainer_retention_with_the_best_and_a_resume_under_another_mode(tmp_path):
