@@ -74,3 +74,13 @@ def test_each_example_builds_and_trains(tmp_path, heading, index, block):
     trainer = make_trainer(tmp_path, repr(hooks), epoch=1)
     trainer.train()
     assert trainer.outcome == "completed" and trainer.global_step == 4
+
+
+def test_the_shipped_ema_and_early_stopping_config_loads_with_its_hooks(tmp_path):
+    from pimm.engines.launch import load_config
+
+    cfg, hooks = load_config(str(ROOT / "configs" / "rings" / "cls-cnn-ema-earlystop.py"),
+                             [f"save_path={tmp_path / 'run'}"], world_size=1)
+    by_type = {type(hook).__name__: hook for hook in hooks}
+    assert {"ClsEvaluator", "EMAHook", "EarlyStopping", "CheckpointSaver"} <= set(by_type)
+    assert by_type["EarlyStopping"].monitor == "val/acc" and cfg.epoch > 4  # a budget early stopping cuts short

@@ -211,6 +211,18 @@ def test_on_demand_evaluations_also_score_the_average_and_hooks_after_it_see_the
     assert trainer.metrics.best.step == 4  # the on-demand evaluation never selects the best model
 
 
+def test_evaluators_run_separately_have_their_average_scored_once_each(tmp_path):
+    # Each evaluator's schedule calls validate([itself]): one val_ema evaluation per evaluator and step.
+    trainer = make_trainer(tmp_path, '[dict(type="ClsEvaluator", num_classes=2, every_n_steps=2), '
+                                     'dict(type="ScriptedEvaluator", values=[0.3], every_n_steps=4), '
+                                     'dict(type="EMAHook")]', extra="epoch = 1\n")
+    trainer.train()
+    rows = records(trainer.save_path)
+    assert [r["step"] for r in rows if "val_ema/acc" in r] == [2, 4]
+    assert [(r["step"], r["val_ema/score"]) for r in rows if "val_ema/score" in r] == [(4, 0.3)]
+    assert all(not ("val_ema/acc" in r and "val_ema/score" in r) for r in rows)
+
+
 # -- DDP ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_ranks_hold_the_same_average_and_agree_on_skipped_steps(tmp_path):

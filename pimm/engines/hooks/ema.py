@@ -96,7 +96,7 @@ class EMAHook(HookBase):
         self.averaged: AveragedModel | None = None
         self.real_updates = 0  # optimizer updates that happened (skipped steps excluded)
         self._restored: dict | None = None
-        self._scored: dict[int, int] = {}  # id(evaluator) -> step whose EMA evaluation is done
+        self._scored: dict[int, tuple] = {}  # id(evaluator) -> (step, kind) of its last EMA evaluation
 
     @property
     def module(self) -> torch.nn.Module:
@@ -157,14 +157,14 @@ class EMAHook(HookBase):
         trainer = self.trainer
         if not self.evaluate or self.averaged is None or trainer.validation_prefix != "val":
             return
-        step = trainer.global_step
-        # The evaluators that just scored the trained weights at this step.
-        due = [e for e in trainer.evaluators if e.last_step == step and self._scored.get(id(e)) != step]
+        kind, prefix = trainer.validation_kind, trainer.validation_prefix
+        done = (trainer.global_step, kind)
+        # The evaluators that just scored the trained weights (one validate() call may run a subset).
+        due = [e for e in trainer.evaluators if e.last_step == done[0] and self._scored.get(id(e)) != done]
         if not due:
             return
         for evaluator in due:
-            self._scored[id(evaluator)] = step
-        kind, prefix = trainer.validation_kind, trainer.validation_prefix
+            self._scored[id(evaluator)] = done
         try:
             trainer.validate(due, model=self.averaged.module, prefix=EMA_PREFIX, kind=kind)
         finally:  # hooks after this one in the outer after_val still see the outer evaluation
