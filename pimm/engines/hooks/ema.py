@@ -44,7 +44,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
-from pimm.engines.state.weights import save_model_file
+from pimm.engines.state.manager import atomic_torch_save
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError, ConfigError
 
@@ -174,9 +174,10 @@ class EMAHook(HookBase):
         if not self.export or self.averaged is None:
             return
         trainer = self.trainer
-        if comm.is_main_process():
-            save_model_file(self.averaged.module.state_dict(), trainer.save_path / "model" / "model_ema.pth",
-                            epoch=trainer.train_state.epoch, global_step=trainer.global_step)
+        if comm.is_main_process():  # the format of model_last.pth
+            payload = {"state_dict": self.averaged.module.state_dict(), "epoch": trainer.train_state.epoch,
+                       "global_step": trainer.global_step}
+            atomic_torch_save(payload, trainer.save_path / "model" / "model_ema.pth")
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:
