@@ -242,7 +242,6 @@ class CheckpointManager:
             _fsync_dir(tmp)
             os.replace(tmp, final)
             _fsync_dir(self.directory)
-            self.rejected = [(path, why) for path, why in self.rejected if path != final]  # healed
             self.apply_retention()
             self.logger.info(f"Saved checkpoint {final} ({time.perf_counter() - start:.2f}s)")
         comm.synchronize()
@@ -265,6 +264,8 @@ class CheckpointManager:
         never leaves a half-deleted folder that looks committed."""
         for stale in [*self.directory.glob(".tmp-*"), *self.directory.glob(".deleting-*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed save or deletion
+        # Still unusable? (A re-save of the step heals the folder; then it counts again.)
+        self.rejected = [(path, why) for path, why in self.rejected if path.exists() and self._verify(path) != "ok"]
         rejected = {path for path, _ in self.rejected}
         committed = [(path, self._read_manifest(path)) for path in self.committed() if path not in rejected]
         keep = self.retention.survivors(committed)
