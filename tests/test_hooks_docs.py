@@ -26,8 +26,8 @@ from pimm.engines.hooks.base import build_hooks  # noqa: E402
 from tests.support.inprocess import make_trainer  # noqa: E402
 
 DOC = ROOT / "docs" / "hooks.md"
-# Evaluators that need point-cloud data: their examples are built, not trained with.
-NOT_ON_THE_TOY_TASK = {"SemSegEvaluator", "InsSegEvaluator"}
+# Evaluators that need other data (point clouds, tracks): their examples are built, not trained with.
+NOT_ON_THE_TOY_TASK = {"SemSegEvaluator", "InsSegEvaluator", "ProposalEvaluator"}
 
 
 def sections(text: str) -> dict[str, list[str]]:
