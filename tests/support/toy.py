@@ -307,3 +307,71 @@ class HookedToyMLP(ToyMLP, HookBase):
     def after_step(self):
         self.phases.append(("after_step", self.trainer.global_step))
         self.anomaly_mode = torch.is_anomaly_enabled()
+# -- training-control hooks (EMA, early stopping, NaN guard) ---------------------------
+from pimm.engines.hooks.evaluator import EvaluatorBase  # noqa: E402
+
+
+@MODELS.register_module(force=True)
+class ToyFlakyMLP(ToyMLP):
+    """ToyMLP whose training loss is NaN on the given training forward calls
+    (1-based, counted in this process; ``rank``: on that rank only)."""
+
+    def __init__(self, nan_calls=(), rank=None, **kwargs):
+        super().__init__(**kwargs)
+        self.nan_calls, self.nan_rank, self.calls = set(nan_calls), rank, 0
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        if self.training and "loss" in out:
+            self.calls += 1
+            if self.calls in self.nan_calls and self.nan_rank in (None, comm.get_rank()):
+                out["loss"] = out["loss"] * float("nan")
+        return out
+
+
+@HOOKS.register_module(force=True)
+class WeightsRecorder(HookBase):
+    """After every step (after EMAHook's update), records ``(global_step, stepped,
+    weights)`` into a class-level list."""
+
+    priority = "LOWEST"
+    records = []
+
+    def after_step(self):
+        weights = {k: v.detach().clone() for k, v in self.trainer.model_without_ddp.state_dict().items()}
+        self.records.append((self.trainer.global_step, self.trainer.step_result.stepped, weights))
+
+
+@HOOKS.register_module(force=True)
+class ScriptedEvaluator(EvaluatorBase):
+    """An evaluator whose ``score`` follows a script: the i-th evaluation of
+    the trained weights (prefix ``val``) reports ``values[i]`` (the last value
+    once the script runs out). Evaluations of other weights (EMA, right after)
+    report the same value without advancing the script."""
+
+    metric_name = "score"
+
+    def __init__(self, values=(0.5,), greater_is_better=True, every_n_steps=None):
+        super().__init__(every_n_steps=every_n_steps)
+        self.values, self.greater_is_better, self.calls = list(values), greater_is_better, 0
+
+    def reset(self):
+        pass
+
+    def process(self, input_dict, output_dict):
+        pass
+
+    def accumulators(self):
+        return {}
+
+    def compute(self, totals):
+        if self.trainer.validation_prefix == "val":
+            self.calls += 1
+        return {"score": float(self.values[min(self.calls, len(self.values)) - 1])}
+
+    def state_dict(self):
+        return {**super().state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.calls = state.get("calls", 0)

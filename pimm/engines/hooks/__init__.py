@@ -1,13 +1,18 @@
-"""Hooks that ship with the engine. Each owns one job; see ``base`` for the contract."""
+"""Hooks that ship with the engine. Each owns one job; see ``base`` for the contract
+and docs/hooks.md for every hook's options and an example."""
 
 from pimm.engines.hooks.base import PRIORITIES, HookBase
 from pimm.engines.hooks.checkpoint import CheckpointLoader, CheckpointSaver
+from pimm.engines.hooks.early_stopping import EarlyStopping
+from pimm.engines.hooks.ema import EMAHook
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.hooks.information_writer import InformationWriter
 from pimm.engines.hooks.memory import EmptyCache
+from pimm.engines.hooks.nan_guard import NaNGuard, NonFiniteStep
 from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
 from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
 
-__all__ = ["HookBase", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EvaluatorBase", "InformationWriter",
-           "ProgressBar", "IterationTimer", "EmptyCache", "ModelHook", "FinalEvaluator"]
+__all__ = ["HookBase", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
+           "EvaluatorBase", "InformationWriter", "IterationTimer", "NaNGuard", "NonFiniteStep", "ProgressBar",
+           "EmptyCache", "ModelHook", "FinalEvaluator"]

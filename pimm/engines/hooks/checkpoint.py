@@ -56,6 +56,9 @@ class CheckpointSaver(HookBase):
         for name, flag in (("keep_best", keep_best), ("keep_all", keep_all), ("async_write", async_write)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if isinstance(keep_last, int) and not isinstance(keep_last, bool) and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last} (resume needs the newest checkpoint; "
+                             "'best only' is keep_last=1, keep_best=True)")
         self.retention = Retention(keep_last=_positive("keep_last", keep_last, allow_none=False, integer=True),
                                    keep_best=keep_best, keep_every=_positive("keep_every", keep_every, integer=True),
                                    keep_all=keep_all)

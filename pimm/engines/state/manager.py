@@ -149,7 +149,11 @@ class Retention:
     """Which committed checkpoints survive a save. The newest is always kept
     (resume needs it); on top of it the ``keep_last - 1`` before it, the newest
     one that was the best, every one whose step is a multiple of
-    ``keep_every`` (kept forever), or all of them."""
+    ``keep_every`` (kept forever), or all of them (``keep_all``).
+
+    The modes people ask for: best only = ``keep_last=1, keep_best=True``;
+    last N = ``keep_last=N, keep_best=False``; all = ``keep_all=True``; every
+    K-th forever = ``keep_every=K`` (with any of the others)."""
 
     keep_last: int = 2
     keep_best: bool = True
@@ -157,6 +161,7 @@ class Retention:
     keep_all: bool = False
 
     def survivors(self, committed: list[tuple[Path, dict]]) -> set[Path]:
+        """``committed``: (folder, manifest) pairs, oldest first."""
         if self.keep_all:
             return {path for path, _ in committed}
         keep = {path for path, _ in committed[-max(1, self.keep_last):]}
@@ -164,9 +169,13 @@ class Retention:
             best = [path for path, manifest in committed if manifest.get("is_best")]
             keep.update(best[-1:])
         if self.keep_every:
-            keep.update(path for path, manifest in committed
-                        if manifest.get("global_step", 1) % self.keep_every == 0)
+            # The step from the folder name: it is there even when a manifest cannot be read.
+            keep.update(path for path, _ in committed if _step_of(path) % self.keep_every == 0)
         return keep
+
+
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 class LoadedCheckpoint:
@@ -333,14 +342,24 @@ class CheckpointManager:
 
     def apply_retention(self) -> None:
         """Delete committed checkpoints the retention policy does not keep (rank 0).
-        Called after each commit, and at start-up of a resumed run."""
-        committed = [(path, self._read_manifest(path)) for path in self.committed()]
+        Called after each commit, and at start-up of a resumed run (leftovers of
+        an earlier policy follow the current one). Checkpoints the last
+        :meth:`load_latest` rejected as unusable are left alone (neither counted
+        nor deleted: a re-save of their step moves them aside). A deletion first
+        renames the folder out of the ``step...`` namespace, so a kill halfway
+        never leaves a half-deleted folder that looks committed."""
+        for stale in [*self.directory.glob(".tmp-*"), *self.directory.glob(".deleting-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed save or deletion
+        # Still unusable? (A re-save of the step heals the folder; then it counts again.)
+        self.rejected = [(path, why) for path, why in self.rejected if path.exists() and self._verify(path) != "ok"]
+        rejected = {path for path, _ in self.rejected}
+        committed = [(path, self._read_manifest(path)) for path in self.committed() if path not in rejected]
         keep = self.retention.survivors(committed)
         for path, _ in committed:
             if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
-        for stale in self.directory.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+                doomed = path.with_name(f".deleting-{path.name}")
+                os.replace(path, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     @staticmethod
     def _read_manifest(path: Path) -> dict:

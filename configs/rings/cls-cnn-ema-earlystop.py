@@ -1,0 +1,22 @@
+# Ring classification (configs/rings/cls-cnn.py) with the training-control
+# hooks of docs/hooks.md: an EMA of the weights (evaluated as val_ema/*,
+# exported as model/model_ema.pth) and early stopping on a plateau of the
+# validation accuracy. The epoch budget is deliberately generous: the run
+# stops by itself once val/acc has not improved for `patience` evaluations.
+_base_ = "./cls-cnn.py"
+
+save_path = "exp/rings/cls-cnn-ema-earlystop"
+epoch = 30
+scheduler = dict(_delete_=True, type="CosineWarmupLR", warmup_ratio=0.02)
+
+hooks = [
+    dict(type="CheckpointLoader"),
+    dict(type="IterationTimer", warmup_iter=2),
+    dict(type="InformationWriter", log_frequency=10),
+    dict(type="ProgressBar"),
+    dict(type="ClsEvaluator", num_classes=2, class_names=["electron", "muon"]),
+    dict(type="EMAHook", decay=0.99),
+    dict(type="EarlyStopping", monitor="val/acc", patience=3, min_delta=0.002),
+    # dict(type="LiveControl"),  # TODO(lead): enable once the live-control hook (issue 10, item 4) is merged
+    dict(type="CheckpointSaver", keep_last=2),
+]

@@ -1,0 +1,158 @@
+"""EarlyStopping: stop training when a monitored evaluation metric stops
+improving, or when the learning rate has reached zero.
+
+A metric's direction has one source of truth, the metric channel: an
+evaluator declares ``val/<metric_name>`` (and ``val/loss`` as ``min``), and
+best-checkpoint selection reads the same declaration. ``mode=None`` takes the
+declared direction; a ``mode`` that contradicts it is a ConfigError; a
+``mode`` for a metric nobody declared declares it.
+
+The hook acts after every scheduled evaluation whose prefix is the
+monitor's (``val`` for ``val/acc``, ``val_ema`` for ``val_ema/acc`` when
+EMAHook evaluates the averaged weights). On-demand evaluations never count,
+and neither do final ones: after the last step there is nothing left to stop,
+and the final evaluation a requested stop makes is one the uninterrupted run
+never had, so counting it would make a stopped-and-resumed run decide
+differently.
+``patience`` evaluations in a row without an improvement of more than
+``min_delta`` stop the run. Evaluation metrics are identical on every rank,
+so every rank decides the same at the same step and the stop needs no extra
+communication (``request_stop(..., agreed=True)``); the trainer then commits
+a final checkpoint and logs the reason. The best value and the wait count
+are in every checkpoint, so a resumed run decides exactly as the
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pimm.engines.hooks.base import HookBase
+from pimm.engines.registries import HOOKS
+from pimm.utils.errors import ConfigError
+
+__all__ = ["EarlyStopping"]
+
+
+@HOOKS.register_module()
+class EarlyStopping(HookBase):
+    """Options:
+
+    monitor: the metric to watch, e.g. ``"val/acc"`` (None: only ``stop_on_zero_lr``).
+    mode: ``"max"``, ``"min"`` or None (the direction its evaluator declared).
+    patience: evaluations in a row without improvement before stopping.
+    min_delta: an improvement must beat the best by more than this.
+    stop_on_zero_lr: also stop once every param group's learning rate is 0.
+    """
+
+    # After EMAHook (ABOVE_NORMAL), which declares the directions of val_ema/*.
+    priority = "BELOW_NORMAL"
+
+    def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 5,
+                 min_delta: float = 0.0, stop_on_zero_lr: bool = False):
+        if monitor is not None and (not isinstance(monitor, str) or "/" not in monitor):
+            raise ValueError(f"monitor must be a metric name like 'val/acc', got {monitor!r}")
+        if mode not in (None, "min", "max"):
+            raise ValueError(f"mode must be 'min', 'max' or None (the metric's declared direction), got {mode!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be a positive integer (evaluations), got {patience!r}")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
+            raise ValueError(f"min_delta must be a number >= 0, got {min_delta!r}")
+        if not isinstance(stop_on_zero_lr, bool):
+            raise ValueError(f"stop_on_zero_lr must be True or False, got {stop_on_zero_lr!r}")
+        if monitor is None and not stop_on_zero_lr:
+            raise ValueError("give a monitor (e.g. monitor='val/acc') or stop_on_zero_lr=True: otherwise "
+                             "EarlyStopping never stops anything")
+        self.monitor, self.mode, self.patience = monitor, mode, patience
+        self.min_delta, self.stop_on_zero_lr = float(min_delta), stop_on_zero_lr
+        self.prefix = monitor.split("/", 1)[0] if monitor else None
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0  # evaluations since the last improvement
+        self._keys_seen: set[str] = set()
+
+    # -- set-up -----------------------------------------------------------
+    def before_train(self) -> None:
+        if self.monitor is None:
+            return
+        trainer = self.trainer
+        if not trainer.evaluators or not trainer.cfg.evaluate:
+            why = "no evaluator hook is configured" if not trainer.evaluators else "evaluate=False"
+            raise ConfigError(f"EarlyStopping(monitor={self.monitor!r}) has nothing to watch: {why}; add an "
+                              "evaluator (e.g. dict(type='ClsEvaluator')) or drop the monitor")
+        prefixes = {"val"} | {h.publishes_prefix for h in trainer.hooks if getattr(h, "publishes_prefix", None)}
+        if self.prefix not in prefixes:
+            raise ConfigError(f"EarlyStopping: no evaluation publishes {self.prefix}/* metrics (monitor="
+                              f"{self.monitor!r}); evaluations publish under: {', '.join(sorted(prefixes))}")
+        declared = trainer.metrics.direction(self.monitor)
+        if self.mode is None:
+            if declared is None:
+                known = sorted(name for e in trainer.evaluators for p in prefixes
+                               for name in (f"{p}/loss", f"{p}/{e.metric_name}") if trainer.metrics.direction(name))
+                raise ConfigError(f"EarlyStopping: metric {self.monitor!r} has no declared direction (declared: "
+                                  f"{', '.join(known) or 'none'}); monitor one of those, or set mode='max' or "
+                                  "mode='min' if an evaluator publishes it")
+            self.mode = declared
+        elif declared is not None and declared != self.mode:
+            raise ConfigError(f"EarlyStopping: mode={self.mode!r} contradicts {self.monitor!r}, which its evaluator "
+                              f"declares {declared!r} (larger is {'better' if declared == 'max' else 'worse'}); "
+                              "drop mode= to use the declared direction")
+        else:
+            trainer.metrics.declare(self.monitor, self.mode)  # one direction for everyone who ranks it
+
+    # -- decisions ----------------------------------------------------------
+    def improved(self, value: float) -> bool:
+        if value is None or math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == "max":
+            return value > self.best + self.min_delta
+        return value < self.best - self.min_delta
+
+    def after_val(self, metrics: dict) -> None:
+        trainer = self.trainer
+        if self.monitor is None or trainer.validation_prefix != self.prefix or trainer.validation_kind != "scheduled":
+            return
+        if self.monitor not in metrics:
+            self._check_monitor_exists(metrics)
+            return
+        value = float(metrics[self.monitor])
+        step = trainer.global_step
+        if self.improved(value):
+            self.best, self.best_step, self.wait = value, step, 0
+            return
+        self.wait += 1
+        trainer.logger.info(f"EarlyStopping: {self.monitor} {value:.4f} is no improvement on {self.best:.4f} "
+                            f"(step {self.best_step}) for {self.wait}/{self.patience} evaluation(s)")
+        if self.wait >= self.patience:
+            trainer.request_stop(f"early stopping: {self.monitor} has not improved on {self.best:.4f} (step "
+                                 f"{self.best_step}) for {self.wait} evaluations (patience {self.patience}, "
+                                 f"min_delta {self.min_delta:g})", agreed=True)
+
+    def _check_monitor_exists(self, metrics: dict) -> None:
+        """A monitor no evaluator produces is a config error, raised once every
+        evaluator has reported at least once (evaluators may run on different
+        schedules)."""
+        self._keys_seen.update(k for k in metrics if k.startswith(self.prefix + "/"))
+        if all(e.last_step is not None for e in self.trainer.evaluators):
+            raise ConfigError(f"EarlyStopping: no evaluator produces {self.monitor!r}; the metrics are: "
+                              f"{', '.join(sorted(self._keys_seen))}")
+
+    def after_step(self) -> None:
+        if not self.stop_on_zero_lr:
+            return
+        trainer = self.trainer
+        if trainer.global_step >= trainer.max_epoch * trainer.iters_per_epoch:
+            return  # the last step: the run completes anyway
+        # The rates the next step would use: at 0 nothing would change any more.
+        if all(group["lr"] <= 0.0 for group in trainer.optimizer.param_groups):
+            trainer.request_stop(f"early stopping: the learning rate reached 0 at step {trainer.global_step}",
+                                 agreed=True)
+
+    # -- state --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step, self.wait = state.get("best"), state.get("best_step"), state.get("wait", 0)

@@ -1,0 +1,191 @@
+"""EMAHook: an exponential moving average of the model's weights, evaluated
+and exported beside the trained weights.
+
+The average is a :class:`torch.optim.swa_utils.AveragedModel` (a copy of
+``trainer.model_without_ddp``) with ``use_buffers=True``: BatchNorm running
+statistics are averaged like the weights, so the averaged model needs no
+extra pass over the data before it is evaluated. Integer buffers (BatchNorm's
+``num_batches_tracked``) are counters, not weights: they are copied.
+
+The update, ``ema = d * ema + (1 - d) * weights``, runs in ``after_step``
+after real optimizer updates only (``trainer.step_result.stepped``): a step
+that a GradScaler or a hook (NaNGuard) skipped leaves the average untouched.
+``update_every=K`` averages after every K-th real update. The first update
+copies the weights; the n-th after it (n = weights averaged so far) uses::
+
+    d_n = min(decay, (1 + n) / (10 + n))      # warmup=True (default)
+    d_n = decay                               # warmup=False
+
+The warm-up (the schedule of TensorFlow's ``ExponentialMovingAverage`` with
+``num_updates``) keeps early, far-from-trained weights from dominating a
+long-horizon average: the average covers roughly the updates seen so far
+until ``decay`` takes over (after ~9 / (1 - decay) updates).
+
+Every evaluation of the trained weights with prefix ``val`` (scheduled,
+final, or on demand) is followed by one of the averaged weights with the same
+evaluators, published as ``val_ema/<metric>``; its kind is passed on, so an
+on-demand evaluation stays metrics-only. ``val_ema`` metrics never select the
+best model (only ``val/<metric_name>`` does).
+
+The average is part of every checkpoint (this hook's ``state_dict``; hook
+states are saved by every rank, so under DDP each rank file holds one copy)
+and is exported as ``model/model_ema.pth`` by rank 0 whenever a checkpoint is
+written, in the format of ``model_last.pth``.
+
+Under DDP every rank averages its own replica of the (identical) weights, so
+the averages are identical without communication. Sharded training (FSDP)
+is not supported yet: each rank would need the average of its own shards only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from pimm.engines.hooks.base import HookBase
+from pimm.engines.registries import HOOKS
+from pimm.engines.state.manager import atomic_torch_save
+from pimm.utils import comm
+from pimm.utils.errors import CheckpointError, ConfigError
+
+__all__ = ["EMAHook", "ema_decay"]
+
+EMA_PREFIX = "val_ema"
+
+
+def ema_decay(decay: float, averaged: int, warmup: bool = True) -> float:
+    """The decay of the update that follows ``averaged`` averaged weights (>= 1)."""
+    return min(decay, (1.0 + averaged) / (10.0 + averaged)) if warmup else decay
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed cannot shard
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@HOOKS.register_module()
+class EMAHook(HookBase):
+    """Options:
+
+    decay: the long-run decay in (0, 1) (0.999: an average over ~1000 updates).
+    warmup: ramp the decay up as ``min(decay, (1 + n) / (10 + n))`` (see the module docstring).
+    update_every: average after every K-th real optimizer update.
+    evaluate: also evaluate the averaged weights at every evaluation (``val_ema/...``).
+    export: write ``model/model_ema.pth`` with every checkpoint.
+    """
+
+    # after_step: the average is updated before evaluators (NORMAL) score it
+    # at the same step and before CheckpointSaver (LOW) saves it.
+    priority = "ABOVE_NORMAL"
+
+    def __init__(self, decay: float = 0.999, warmup: bool = True, update_every: int = 1, evaluate: bool = True,
+                 export: bool = True):
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be a number in (0, 1) (e.g. 0.999), got {decay!r}")
+        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+            raise ValueError(f"update_every must be a positive integer, got {update_every!r}")
+        for name, flag in (("warmup", warmup), ("evaluate", evaluate), ("export", export)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        self.decay, self.warmup, self.update_every = float(decay), warmup, update_every
+        self.evaluate, self.export = evaluate, export
+        self.publishes_prefix = EMA_PREFIX if evaluate else None  # for EarlyStopping(monitor="val_ema/...")
+        self.averaged: AveragedModel | None = None
+        self.real_updates = 0  # optimizer updates that happened (skipped steps excluded)
+        self._restored: dict | None = None
+        self._scored: dict[int, tuple] = {}  # id(evaluator) -> (step, kind) of its last EMA evaluation
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The averaged model (a plain module, same keys as the trained one)."""
+        if self.averaged is None:
+            raise RuntimeError("EMAHook: the averaged model exists once training has started")
+        return self.averaged.module
+
+    # -- set-up -------------------------------------------------------------
+    def modify_config(self, cfg) -> None:
+        parallel = cfg.get("parallel")
+        if isinstance(parallel, dict) and parallel.get("strategy") == "fsdp":
+            raise ConfigError("EMAHook does not support parallel.strategy='fsdp' yet (each rank would have to "
+                              "average its own shards); train with DDP or remove EMAHook")
+
+    def before_train(self) -> None:
+        trainer = self.trainer
+        model = trainer.model_without_ddp
+        if _is_sharded(model):
+            raise ConfigError("EMAHook does not support sharded (FSDP) models yet; train with DDP or remove EMAHook")
+        self.averaged = AveragedModel(model, multi_avg_fn=self._average, use_buffers=True)
+        self.averaged.module.requires_grad_(False)
+        # Its n_averaged counter stays on the CPU: read on the host at every update.
+        if self._restored is not None:
+            state, self._restored = self._restored, None
+            try:
+                self.averaged.load_state_dict(state["averaged"])
+            except (RuntimeError, KeyError) as err:
+                first = str(err).splitlines()[0]
+                raise CheckpointError(f"EMAHook: the averaged weights in the checkpoint do not fit the model "
+                                      f"({first}); resume with the original model config") from None
+            self.real_updates = int(state["real_updates"])
+        trainer.metrics.declare(f"{EMA_PREFIX}/loss", "min")
+        for evaluator in trainer.evaluators:  # val_ema/<metric> goes the way val/<metric> goes
+            if evaluator.metric_name is not None:
+                trainer.metrics.declare(f"{EMA_PREFIX}/{evaluator.metric_name}",
+                                        "max" if evaluator.greater_is_better else "min")
+
+    # -- averaging ----------------------------------------------------------
+    def _average(self, averaged: list[torch.Tensor], current: list[torch.Tensor], _count) -> None:
+        """AveragedModel's ``multi_avg_fn``: one device/dtype group per call."""
+        if averaged[0].is_floating_point() or averaged[0].is_complex():
+            decay = ema_decay(self.decay, int(self.averaged.n_averaged), self.warmup)
+            get_ema_multi_avg_fn(decay)(averaged, current, _count)
+        else:  # integer buffers count batches: copy them
+            for mine, theirs in zip(averaged, current):
+                mine.copy_(theirs)
+
+    def after_step(self) -> None:
+        if not self.trainer.step_result.stepped:
+            return  # skipped by the GradScaler or a hook: the weights did not change
+        self.real_updates += 1
+        if self.real_updates % self.update_every == 0:
+            self.averaged.update_parameters(self.trainer.model_without_ddp)
+
+    # -- evaluation and export ------------------------------------------------
+    def after_val(self, metrics: dict) -> None:
+        trainer = self.trainer
+        if not self.evaluate or self.averaged is None or trainer.validation_prefix != "val":
+            return
+        kind, prefix = trainer.validation_kind, trainer.validation_prefix
+        done = (trainer.global_step, kind)
+        # The evaluators that just scored the trained weights (one validate() call may run a subset).
+        due = [e for e in trainer.evaluators if e.last_step == done[0] and self._scored.get(id(e)) != done]
+        if not due:
+            return
+        for evaluator in due:
+            self._scored[id(evaluator)] = done
+        try:
+            trainer.validate(due, model=self.averaged.module, prefix=EMA_PREFIX, kind=kind)
+        finally:  # hooks after this one in the outer after_val still see the outer evaluation
+            trainer.validation_kind, trainer.validation_prefix = kind, prefix
+
+    def before_save_checkpoint(self) -> None:
+        if not self.export or self.averaged is None:
+            return
+        trainer = self.trainer
+        if comm.is_main_process():  # the format of model_last.pth
+            payload = {"state_dict": self.averaged.module.state_dict(), "epoch": trainer.train_state.epoch,
+                       "global_step": trainer.global_step}
+            atomic_torch_save(payload, trainer.save_path / "model" / "model_ema.pth")
+
+    # -- state ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if self.averaged is None:
+            return {}
+        return {"averaged": self.averaged.state_dict(), "real_updates": self.real_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Restored before before_train, when the averaged model is built from the restored weights.
+        if state:
+            self._restored = state
