@@ -44,8 +44,6 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
-from pimm.engines.state.manager import atomic_torch_save
-from pimm.utils import comm
 from pimm.utils.errors import CheckpointError, ConfigError
 
 __all__ = ["EMAHook", "ema_decay"]
@@ -157,7 +155,7 @@ class EMAHook(HookBase):
         trainer = self.trainer
         if not self.evaluate or self.averaged is None or trainer.validation_prefix != "val":
             return
-        kind, prefix = trainer.validation_kind, trainer.validation_prefix
+        kind = trainer.validation_kind
         done = (trainer.global_step, kind)
         # The evaluators that just scored the trained weights (one validate() call may run a subset).
         due = [e for e in trainer.evaluators if e.last_step == done[0] and self._scored.get(id(e)) != done]
@@ -165,19 +163,12 @@ class EMAHook(HookBase):
             return
         for evaluator in due:
             self._scored[id(evaluator)] = done
-        try:
-            trainer.validate(due, model=self.averaged.module, prefix=EMA_PREFIX, kind=kind)
-        finally:  # hooks after this one in the outer after_val still see the outer evaluation
-            trainer.validation_kind, trainer.validation_prefix = kind, prefix
+        trainer.validate(due, model=self.averaged.module, prefix=EMA_PREFIX, kind=kind)
 
     def before_save_checkpoint(self) -> None:
         if not self.export or self.averaged is None:
             return
-        trainer = self.trainer
-        if comm.is_main_process():  # the format of model_last.pth
-            payload = {"state_dict": self.averaged.module.state_dict(), "epoch": trainer.train_state.epoch,
-                       "global_step": trainer.global_step}
-            atomic_torch_save(payload, trainer.save_path / "model" / "model_ema.pth")
+        self.trainer.add_model_file("model_ema.pth", self.averaged.module)  # written after the commit
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:

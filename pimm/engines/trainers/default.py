@@ -213,14 +213,21 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
-        self.call_hooks("before_save_checkpoint")
+        self._model_files = [("model_last.pth", self.model_file_payload())]
+        self.call_hooks("before_save_checkpoint")  # a hook may add_model_file() here
         self.metrics.flush()  # the writer's offset must cover everything logged up to here
         best = self.metrics.best
-        model_last = (self.model_file_payload(), self.save_path / "model" / "model_last.pth")
+        files = tuple((payload, self.save_path / "model" / name) for name, payload in self._model_files)
         self.checkpointer.save(self.global_step, self.train_state.epoch,
                                extra_manifest={"is_best": best.step is not None and best.step == self.global_step},
-                               after_commit=(model_last,))
+                               after_commit=files)
+        self._model_files = []
         self._last_saved_step = self.global_step
+
+    def add_model_file(self, name: str, model: torch.nn.Module) -> None:
+        """From ``before_save_checkpoint``: also write ``model/<name>`` for ``model``
+        (e.g. EMA weights) once this checkpoint is committed, off the training thread."""
+        self._model_files.append((name, self.model_file_payload(model)))
 
     def model_file_payload(self, model: torch.nn.Module | None = None, **fields) -> dict:
         """The content of a ``model/*.pth`` file (collective-safe: every rank gathers the state dict)."""
@@ -252,6 +259,13 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
 
     def _validate(self, evaluators, model, prefix: str, kind: str) -> dict:
         evaluators = self.evaluators if evaluators is None else evaluators
+        outer = getattr(self, "validation_kind", None), getattr(self, "validation_prefix", None)
+        try:
+            return self._validate_as(evaluators, model, prefix, kind)
+        finally:  # a validation started from a hook's after_val (EMA weights) leaves the outer one's context
+            self.validation_kind, self.validation_prefix = outer
+
+    def _validate_as(self, evaluators, model, prefix: str, kind: str) -> dict:
         self.validation_kind, self.validation_prefix = kind, prefix
         self.call_hooks("before_val")
         model = self.eval_model if model is None else model
