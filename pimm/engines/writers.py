@@ -74,6 +74,24 @@ class MetricsWriter:
             if self._wandb_run is not None:
                 self._wandb_run.log(scalars, step=step)
 
+    @property
+    def logs_images(self) -> bool:
+        """Whether an image would go anywhere (TensorBoard or W&B, rank 0)."""
+        return self.is_main and (self.enable_tensorboard or self.use_wandb)
+
+    def add_images(self, images: dict[str, Any], step: int) -> None:
+        """``{tag: (H, W, 3) uint8 array}`` to TensorBoard and W&B (rank 0)."""
+        if not self.logs_images or not images:
+            return
+        self._open()
+        for tag, image in images.items():
+            if self._tb is not None:
+                self._tb.add_image(tag, image, step, dataformats="HWC")
+        if self._wandb_run is not None:
+            import wandb
+
+            self._wandb_run.log({tag: wandb.Image(image) for tag, image in images.items()}, step=step)
+
     def _open(self) -> None:
         if self._jsonl is not None:
             return

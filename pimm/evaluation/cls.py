@@ -28,8 +28,10 @@ class ClsEvaluator(ClassesFromData, EvaluatorBase):
     metric_name = "acc"
 
     def __init__(self, num_classes: int | None = None, class_names: Sequence[str] | None = None,
-                 logits_key: str = "cls_logits", target_key: str = "label", every_n_steps: int | None = None):
-        super().__init__(every_n_steps=None if every_n_steps == 0 else every_n_steps)
+                 logits_key: str = "cls_logits", target_key: str = "label", every_n_steps: int | None = None,
+                 image_key: str = "img", log_images: int = 2):
+        super().__init__(every_n_steps=None if every_n_steps == 0 else every_n_steps, log_images=log_images)
+        self.image_key = image_key
         self.num_classes, self.class_names = check_classes(type(self).__name__, num_classes, class_names)
         # Every label counts in classification; -1 only tells the shared
         # resolver that nothing needs to be taken from data.ignore_index.
@@ -50,6 +52,18 @@ class ClsEvaluator(ClassesFromData, EvaluatorBase):
 
     def accumulators(self):
         return {"confusion": self._conf}
+
+    def display(self, input_dict, output_dict, limit):
+        """Image inputs (``(B, C, H, W)``, e.g. Cherenkov rings) with true and predicted class."""
+        images = input_dict.get(self.image_key)
+        if not isinstance(images, torch.Tensor) or images.dim() != 4:
+            return []
+        from pimm.evaluation.displays import render_ring_event
+
+        probs = output_dict[self.logits_key].float().softmax(dim=1)
+        labels = input_dict[self.target_key].reshape(-1)
+        return [render_ring_event(images[i], int(labels[i]), int(probs[i].argmax()), self.class_names,
+                                  probability=float(probs[i].max())) for i in range(min(limit, len(images)))]
 
     def compute(self, totals):
         scores = classification_scores(totals["confusion"])

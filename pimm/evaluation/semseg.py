@@ -89,12 +89,13 @@ class SemSegEvaluator(ClassesFromData, EvaluatorBase):
     def __init__(self, num_classes: int | None = None, ignore_index: int | None = None,
                  class_names: Sequence[str] | None = None, logits_key: str = "seg_logits",
                  target_key: str = "segment", every_n_steps: int | None = None, write_cls_iou: bool = True,
-                 macro_ignore_class_ids: Sequence[int] | None = None, per_instance_metrics: bool = False):
+                 macro_ignore_class_ids: Sequence[int] | None = None, per_instance_metrics: bool = False,
+                 log_images: int = 2):
         name = type(self).__name__
         if per_instance_metrics:
             raise ConfigError(f"{name}: per_instance_metrics=True (upstream's majority-vote instance metrics) "
                               "is not supported; evaluate instances with InsSegEvaluator")
-        super().__init__(every_n_steps=None if every_n_steps == 0 else every_n_steps)
+        super().__init__(every_n_steps=None if every_n_steps == 0 else every_n_steps, log_images=log_images)
         self.num_classes, self.class_names = check_classes(name, num_classes, class_names)
         self.ignore_index = ignore_index
         self.logits_key, self.target_key = logits_key, target_key
@@ -143,6 +144,19 @@ class SemSegEvaluator(ClassesFromData, EvaluatorBase):
 
     def accumulators(self) -> dict[str, torch.Tensor]:
         return {"confusion": self._conf}
+
+    def display(self, input_dict: dict, output_dict: dict, limit: int) -> list:
+        """True vs predicted classes of the batch's first events (projections)."""
+        if "coord" not in input_dict or "offset" not in input_dict:
+            return []
+        from pimm.evaluation.displays import event_slice, render_point_event
+
+        pred = self._logits(output_dict).argmax(dim=1)
+        target = input_dict[self.target_key].reshape(-1)
+        offset = input_dict["offset"]
+        return [render_point_event(input_dict["coord"][event_slice(offset, i)], target[event_slice(offset, i)],
+                                   pred[event_slice(offset, i)], self.class_names)
+                for i in range(min(limit, len(offset)))]
 
     def compute(self, totals: dict[str, torch.Tensor]) -> dict:
         conf = totals["confusion"]

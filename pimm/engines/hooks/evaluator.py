@@ -15,7 +15,12 @@ A concrete evaluator implements four methods::
     compute(totals) -> {name: value}  metrics from the summed accumulators;
                                     int/float values are logged as val/<name>
 
-and may override ``report(metrics) -> str`` for a per-class table.
+and may override ``report(metrics) -> str`` for a per-class table and
+``display(input_dict, output_dict, limit) -> [image, ...]`` for event
+displays: pictures of up to ``limit`` events of a batch, (H, W, 3) uint8,
+true vs predicted. ``log_images=N`` logs the first N validation events (the
+same ones every time: the evaluation order is fixed) to TensorBoard and W&B
+at every evaluation; rank 0 renders its own first events; 0 turns it off.
 ``metric_name`` (a key of ``compute``'s result) with ``greater_is_better``
 declares the metric's direction; the first such evaluator selects the best
 model (``model/model_best.pth``).
@@ -44,13 +49,17 @@ class EvaluatorBase(HookBase):
     metric_name: str | None = None
     greater_is_better: bool = True
 
-    def __init__(self, every_n_steps: int | None = None, prefix: str = "val"):
+    def __init__(self, every_n_steps: int | None = None, prefix: str = "val", log_images: int = 2):
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
                                           or every_n_steps <= 0):
             raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
+        if isinstance(log_images, bool) or not isinstance(log_images, int) or log_images < 0:
+            raise ValueError(f"log_images must be an integer >= 0, got {log_images!r}")
         self.every_n_steps = every_n_steps
         self.prefix = prefix
+        self.log_images = log_images
         self.last_step: int | None = None
+        self.images: list = []  # the event displays of the last evaluation (rank 0)
 
     # -- to implement ---------------------------------------------------
     def reset(self) -> None:
@@ -67,6 +76,10 @@ class EvaluatorBase(HookBase):
 
     def report(self, metrics: dict) -> str:
         return ""
+
+    def display(self, input_dict: dict, output_dict: dict, limit: int) -> list:
+        """Pictures of up to ``limit`` events of this batch (none by default)."""
+        return []
 
     def state_dict(self) -> dict:
         return {"last_step": self.last_step}  # so a resumed run knows whether the final weights were scored
@@ -101,10 +114,13 @@ class EvaluatorBase(HookBase):
 
     # -- running --------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, loader, model: torch.nn.Module) -> dict:
-        """Metrics of ``model`` over ``loader``, reduced over ranks (a collective).
+    def evaluate(self, loader, model: torch.nn.Module, images: int = 0) -> dict:
+        """Metrics of ``model`` over ``loader``, reduced over ranks (a collective),
+        and (rank 0) displays of its first ``images`` events in :attr:`images`.
         Runs inside ``fork_rng`` so it never perturbs the training RNG streams."""
         trainer = self.trainer
+        self.images = []
+        images = images if comm.is_main_process() else 0
         was_training = model.training
         device = next(iter(model.parameters()), torch.zeros(())).device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -122,6 +138,8 @@ class EvaluatorBase(HookBase):
                         loss_sum += loss.detach().double()
                         batches += 1
                     self.process(batch, output)
+                    if len(self.images) < images:
+                        self.images += self.display(batch, output, images - len(self.images))[:images]
             finally:
                 model.train(was_training)
         totals = {k: comm.all_reduce(v.clone()) for k, v in self.accumulators().items()}

@@ -271,14 +271,19 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         model = self.eval_model if model is None else model
         start = time.perf_counter()
         metrics, reports = {}, []
+        shown = {}
         for evaluator in evaluators:
-            raw = evaluator.evaluate(self.val_loader, model)
+            raw = evaluator.evaluate(self.val_loader, model, images=evaluator.log_images if self.writer.logs_images
+                                     else 0)
             evaluator.last_step = self.global_step
+            shown.update({f"{prefix}_events/{type(evaluator).__name__}/{i}": image
+                          for i, image in enumerate(evaluator.images)})
             metrics.update({f"{prefix}/{k}": v for k, v in raw.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)})
             reports.append(evaluator.report(raw))
         self.metrics.publish(metrics)
         self.metrics.flush()
+        self.writer.add_images(shown, self.global_step)
         summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self.logger.info(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s): {summary}")
         for table in reports:
