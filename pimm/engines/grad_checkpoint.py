@@ -83,6 +83,8 @@ def apply_gradient_checkpointing(model: torch.nn.Module, patterns, logger: loggi
         module = modules[name]
         module.__class__ = _checkpointed_class(type(module))
         wrapped.append(name)
+    order = {name: index for index, name in enumerate(names)}
+    wrapped.sort(key=order.__getitem__)
     if logger is not None:
         shown = ", ".join(wrapped[:8]) + (f" and {len(wrapped) - 8} more" if len(wrapped) > 8 else "")
         logger.info(f"Gradient checkpointing {len(wrapped)} module(s): {shown}")
