@@ -16,11 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import pimm.cli  # noqa: E402,F401  (registers models, data sets, evaluators)
+from pimm.cli import register_all  # noqa: E402
 from pimm.engines.grad_checkpoint import apply_gradient_checkpointing, is_checkpointed  # noqa: E402
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import final_weights, run_tool, train_losses, write_toy_config  # noqa: E402
+
+register_all()  # models, data sets, evaluators
 
 
 class Counting(nn.Module):

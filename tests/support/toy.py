@@ -360,6 +360,7 @@ class WriteFileAtStep(HookBase):
             import pathlib
 
             path = pathlib.Path(self.trainer.save_path) / self.name
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(self.text)
             tmp.replace(path)

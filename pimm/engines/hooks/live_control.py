@@ -182,9 +182,9 @@ class LiveControl(HookBase):
         for entry in self.history:  # the config rebuilt the lr and intervals: redo this run's changes
             self._apply_settings(entry["changes"], entry.get("lr_scale"))
         if self.history:
-            self.trainer.logger.info(
-                f"LiveControl: re-applied the changes of revision(s) {', '.join(str(h['revision']) for h in self.history)}"
-                " on top of the configured values")
+            revisions = ", ".join(str(h["revision"]) for h in self.history)
+            self.trainer.logger.info(f"LiveControl: re-applied the changes of revision(s) {revisions} on top of the "
+                                     "configured values (an lr the config restored above is rebased again)")
         records = comm.broadcast_object(self._recorded_after_checkpoint() if comm.is_main_process() else None)
         step = self.trainer.global_step
         for record in records:
@@ -199,9 +199,11 @@ class LiveControl(HookBase):
 
     def after_step(self) -> None:
         step = self.trainer.global_step
-        while self._replay and self._replay[0]["step"] <= step:
-            self._apply(self._replay.pop(0), replayed=True)
-        if step % self.poll_every or self._replay:
+        if self._replay:  # a replayed change stands for the poll that first read it: no other read this step
+            while self._replay and self._replay[0]["step"] <= step:
+                self._apply(self._replay.pop(0), replayed=True)
+            return
+        if step % self.poll_every:
             return
         request = comm.broadcast_object(self._read_request() if comm.is_main_process() else None)
         if request is not None:
@@ -325,6 +327,7 @@ class LiveControl(HookBase):
             trainer.request_stop(f"control.json revision {revision}: {reason}", agreed=True)
 
     def _append_audit(self, record: dict) -> None:
+        self.audit_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.audit_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
