@@ -381,3 +381,14 @@ class SignalAtStep(HookBase):
             import signal
 
             os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+@HOOKS.register_module(force=True)
+class LrProbe(HookBase):
+    """Each rank writes the lr of its first param group at the end of training to ``save_path/lr.rank<r>``."""
+
+    def after_train(self):
+        import pathlib
+
+        path = pathlib.Path(self.trainer.save_path) / f"lr.rank{comm.get_rank()}"
+        path.write_text(repr(self.trainer.optimizer.param_groups[0]["lr"]))
