@@ -56,7 +56,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import uuid
 from pathlib import Path
 
@@ -67,6 +66,7 @@ from pimm.engines.registries import HOOKS
 from pimm.engines.scheduler import OneCycleLR, _ClosedFormLR
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
+from pimm.utils.files import append_jsonl, read_jsonl
 
 __all__ = ["LiveControl", "parse_control", "rebase_lr", "AUDIT_FILE"]
 
@@ -259,16 +259,8 @@ class LiveControl(HookBase):
 
     def _recorded_after_checkpoint(self) -> list[dict]:
         """This run's audit records of revisions the restored state lacks, by step."""
-        try:
-            lines = self.audit_path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
         records = {}
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line cut short by a kill
-                continue
+        for record in read_jsonl(self.audit_path):
             if (isinstance(record, dict) and record.get("run") == self.lineage and _is_int(record.get("revision"))
                     and record["revision"] > self.revision and _is_int(record.get("step"))):
                 records.setdefault(record["revision"], record)
@@ -305,7 +297,7 @@ class LiveControl(HookBase):
         if "lr" in changes and lr_scale is None:
             lr_scale = changes["lr"] / before["lr"]
         if comm.is_main_process():  # recorded before it takes effect: a kill after this point cannot lose it
-            self._append_audit({
+            append_jsonl(self.audit_path, {
                 "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "step": step, "revision": revision, "changes": changes, "previous": previous,
                 "lr_scale": lr_scale, "run": self.lineage, **({"replayed": True} if replayed else {}),
@@ -325,13 +317,6 @@ class LiveControl(HookBase):
         if changes.get("stop"):
             reason = changes["stop"] if isinstance(changes["stop"], str) else "stop requested"
             trainer.request_stop(f"control.json revision {revision}: {reason}", agreed=True)
-
-    def _append_audit(self, record: dict) -> None:
-        self.audit_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.audit_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
 
     def _report(self, step, revision, changes, previous, after, lr_scale, replayed) -> None:
         parts = []
