@@ -182,3 +182,12 @@ def test_two_processes_signal_to_the_launcher_evaluates_on_both_ranks_and_change
     lrs = {(save / f"lr.rank{r}").read_text() for r in (0, 1)}
     assert len(lrs) == 1 and lrs == {(ref / "lr.rank0").read_text()}  # both ranks rebased their schedule alike
     assert len((save / "control_audit.jsonl").read_text().splitlines()) == 1  # rank 0 writes it, once
+
+
+def test_without_a_validation_split_the_request_is_a_warning_not_a_crash(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="pimm")
+    trainer = make_trainer(tmp_path, 'dict(type="ClsEvaluator", num_classes=2), dict(type="OnDemandValidation"), '
+                                     'dict(type="SignalAtStep", step=2)', options=["evaluate=False", "data.val=None"])
+    trainer.train()
+    assert trainer.outcome == "completed"
+    assert "On-demand evaluation at step 2 (SIGUSR1 received) skipped: data.val is not set" in caplog.text

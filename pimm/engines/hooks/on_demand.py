@@ -53,6 +53,9 @@ def validate_on_demand(trainer, why: str) -> dict | None:
     if not evaluators:
         trainer.logger.warning(f"On-demand evaluation at step {step} ({why}) skipped: the run has no evaluator hook")
         return None
+    if ((getattr(trainer, "cfg", None) or {}).get("data") or {}).get("val") is None:
+        trainer.logger.warning(f"On-demand evaluation at step {step} ({why}) skipped: data.val is not set")
+        return None
     if all(getattr(e, "last_step", None) == step for e in evaluators):
         trainer.logger.info(f"On-demand evaluation at step {step} ({why}) skipped: the weights of this step were "
                             "just evaluated")
