@@ -16,6 +16,7 @@ amp_dtype = 'bfloat16'  # 'float16' needs CUDA (uses a GradScaler)
 clip_grad = None  # max gradient norm (None: no clipping)
 grad_accum_steps = 1  # micro-batches per optimizer step
 log_grad_norm = False  # log train/grad_norm every step (always logged when clipping)
+gradient_checkpointing = None  # recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])
 use_wandb = False  # W&B run (WANDB_MODE=offline works without network)
 wandb_project = 'pimm'  # W&B project
 enable_tensorboard = True  # TensorBoard event files under save_path/tensorboard

@@ -15,6 +15,10 @@ here build that layout from a list of per-event dicts and are registered in
 * :func:`inseg_collate_fn` -- for instance segmentation: instance ids are made
   unique across the batch and ``num_instances`` is added.
 
+Each carries :func:`split_point_batch` as its ``split_batch`` attribute: the
+splitter the trainer's OOM back-off (``train.oom_backoff``) uses to redo a
+batch that did not fit in memory in parts made of whole events.
+
 Values are handled by kind: arrays/tensors with a leading dimension are
 concatenated along dim 0 (per-point data, or per-event vectors that then
 line up by event), 0-d tensors and Python/numpy numbers are stacked into a
@@ -27,6 +31,7 @@ cumulative point count -- and keys starting with ``_`` are left out.
 
 from __future__ import annotations
 
+import bisect
 import numbers
 from typing import Any, Sequence
 
@@ -35,7 +40,7 @@ import torch
 
 from pimm.engines.registries import COLLATE_FNS
 
-__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn"]
+__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn", "split_point_batch"]
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -150,3 +155,74 @@ def inseg_collate_fn(batch: Sequence[dict]) -> dict:
     out = collate_fn(shifted)
     out["num_instances"] = torch.tensor(num_instances, dtype=torch.long)
     return out
+
+
+def split_point_batch(batch: dict, parts: int) -> list[tuple[dict, int]]:
+    """Split a collated point-cloud batch into at most ``parts`` batches of whole
+    events (contiguous, balanced by point count), each with its point count as
+    its weight (point models average their losses over points).
+
+    By the leading dimension of each tensor: the point count N -> per-point,
+    sliced by ``offset``; the event count B -> per-event, sliced by event;
+    the total of another ``*offset*`` key -> sliced by that key's events. Every
+    ``*offset*`` key is re-based to start at 0 in each part, lists of B items
+    are sliced by event, and anything else (0-d tensors, other values) goes to
+    every part. A tensor that fits none of these is a ValueError, as is an
+    ambiguous one (N == B with events of other than one point)."""
+    offset = batch.get("offset")
+    if not isinstance(offset, torch.Tensor) or offset.ndim != 1 or len(offset) == 0:
+        raise ValueError("split_point_batch needs a batch with a 1-D cumulative 'offset' tensor")
+    ends = offset.long()
+    num_events, num_points = len(ends), int(ends[-1])
+    if num_points == num_events and not torch.equal(ends, torch.arange(1, num_events + 1, device=ends.device)):
+        raise ValueError(f"the batch has as many points as events ({num_points}): per-point and per-event "
+                         "entries cannot be told apart")
+    other_offsets = {key: value.long() for key, value in batch.items()
+                     if "offset" in key and key != "offset" and isinstance(value, torch.Tensor)
+                     and value.ndim == 1 and len(value) == num_events}
+    # Part k ends at the event boundary nearest to k/parts of the points; every part keeps at least one event.
+    bounds = [0] + ends.tolist()  # bounds[e]: points before event e
+    cuts = {0, num_events}
+    for k in range(1, parts):
+        target = num_points * k / parts
+        after = min(max(bisect.bisect_left(bounds, target), 1), num_events - 1)  # first boundary >= target
+        cuts.add(after - 1 if after > 1 and target - bounds[after - 1] < bounds[after] - target else after)
+    cuts = sorted(cuts) if num_events > 1 else [0, num_events]
+    out = []
+    for first, last in zip(cuts, cuts[1:]):  # events [first, last)
+        start = int(ends[first - 1]) if first else 0
+        end = int(ends[last - 1])
+        part = {}
+        for key, value in batch.items():
+            if key == "offset" or key in other_offsets:
+                cumulative = ends if key == "offset" else other_offsets[key]
+                base = cumulative[first - 1] if first else 0
+                part[key] = (cumulative[first:last] - base).to(value.dtype)
+            elif isinstance(value, torch.Tensor) and value.ndim > 0:
+                part[key] = _slice_entry(key, value, (start, end, num_points), (first, last, num_events),
+                                         other_offsets)
+            elif isinstance(value, (list, tuple)) and len(value) == num_events:
+                part[key] = value[first:last]
+            else:
+                part[key] = value
+        out.append((part, end - start))
+    return out
+
+
+def _slice_entry(key, value, points, events, other_offsets) -> torch.Tensor:
+    (start, end, num_points), (first, last, num_events) = points, events
+    size = len(value)
+    if size == num_points:
+        return value[start:end]
+    if size == num_events:
+        return value[first:last]
+    for cumulative in other_offsets.values():
+        if size == int(cumulative[-1]):
+            lo = int(cumulative[first - 1]) if first else 0
+            return value[lo:int(cumulative[last - 1])]
+    raise ValueError(f"entry {key!r} has {size} rows, neither the {num_points} points nor the {num_events} events "
+                     "of the batch (nor the total of another *offset* entry)")
+
+
+for _collate in (collate_fn, point_collate_fn, inseg_collate_fn):
+    _collate.split_batch = split_point_batch

@@ -116,6 +116,17 @@ def _list_or_none(key, value):
     return value
 
 
+def _patterns_or_none(key, value):
+    if value is None:
+        return value
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a list of module-name patterns like "
+                          "['backbone.enc*'] or None")
+    return list(value)
+
+
 def _hooks(key, value):
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"hooks must be a list of dict(type=...), got {type(value).__name__}")
@@ -178,6 +189,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("clip_grad", None, _positive_number_or_none, "max gradient norm (None: no clipping)"),
     RuntimeKey("grad_accum_steps", 1, _int(1), "micro-batches per optimizer step"),
     RuntimeKey("log_grad_norm", False, _bool, "log train/grad_norm every step (always logged when clipping)"),
+    RuntimeKey("gradient_checkpointing", None, _patterns_or_none,
+               "recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])"),
     RuntimeKey("use_wandb", False, _bool, "W&B run (WANDB_MODE=offline works without network)"),
     RuntimeKey("wandb_project", "pimm", _str, "W&B project"),
     RuntimeKey("enable_tensorboard", True, _bool, "TensorBoard event files under save_path/tensorboard"),

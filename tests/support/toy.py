@@ -375,3 +375,102 @@ class ScriptedEvaluator(EvaluatorBase):
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.calls = state.get("calls", 0)
+# -- hooks-b: live control, on-demand validation, OOM back-off -------------------------------------------
+
+
+class _OOMInBackward(torch.autograd.Function):
+    """Identity whose backward raises an out-of-memory error when told to."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in backward)")
+        return grad, None
+
+
+@MODELS.register_module(force=True)
+class OOMToyMLP(ToyMLP):
+    """ToyMLP that raises ``torch.OutOfMemoryError`` on training batches of more
+    than ``max_samples`` samples, from its ``from_call``-th training forward on:
+    in the forward (``fail_in="forward"``), or in the backward after the last
+    layer's gradients were accumulated (``"backward"``). It records the size of
+    every training batch it sees, and counts forwards that began while an
+    activation of a failed attempt was still alive (``leaks``)."""
+
+    def __init__(self, max_samples=None, fail_in="forward", from_call=0, **kwargs):
+        super().__init__(**kwargs)
+        self.max_samples, self.fail_in, self.from_call = max_samples, fail_in, from_call
+        self.calls, self.sizes, self.leaks = 0, [], 0
+        self._failed = []
+
+    def forward(self, batch):
+        if not self.training:
+            return super().forward(batch)
+        import weakref
+
+        self.leaks += any(ref() is not None for ref in self._failed)
+        size, call = len(batch["x"]), self.calls
+        self.calls += 1
+        self.sizes.append(size)
+        too_big = self.max_samples is not None and size > self.max_samples and call >= self.from_call
+        hidden = self.net[0](batch["x"])
+        if too_big:
+            self._failed.append(weakref.ref(hidden))
+            if self.fail_in == "forward":
+                raise torch.OutOfMemoryError("CUDA out of memory (injected in forward)")
+        hidden = _OOMInBackward.apply(hidden, too_big and self.fail_in == "backward")
+        logits = self.net[3](self.net[2](self.net[1](hidden)))
+        return {"cls_logits": logits, "loss": nn.functional.cross_entropy(logits, batch["label"])}
+
+
+@HOOKS.register_module(force=True)
+class WriteFileAtStep(HookBase):
+    """Rank 0 writes ``text`` to ``save_path/name`` after ``step`` (a user editing a file mid-run)."""
+
+    priority = "HIGHEST"
+
+    def __init__(self, step, name, text):
+        self.step, self.name, self.text = step, name, text
+
+    def after_step(self):
+        if self.trainer.global_step == self.step and comm.is_main_process():
+            import pathlib
+
+            path = pathlib.Path(self.trainer.save_path) / self.name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(self.text)
+            tmp.replace(path)
+
+
+@HOOKS.register_module(force=True)
+class SignalAtStep(HookBase):
+    """Sends ``signal_name`` to its own process after ``step`` (on ``rank`` only, when given)."""
+
+    priority = "HIGHEST"
+
+    def __init__(self, step, signal_name="SIGUSR1", rank=None):
+        self.step, self.signal_name, self.rank = step, signal_name, rank
+
+    def after_step(self):
+        if self.trainer.global_step == self.step and self.rank in (None, comm.get_rank()):
+            import os
+            import signal
+
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+@HOOKS.register_module(force=True)
+class LrProbe(HookBase):
+    """Each rank writes the lr of its first param group at the end of training to ``save_path/lr.rank<r>``."""
+
+    def after_train(self):
+        import pathlib
+
+        path = pathlib.Path(self.trainer.save_path) / f"lr.rank{comm.get_rank()}"
+        path.write_text(repr(self.trainer.optimizer.param_groups[0]["lr"]))

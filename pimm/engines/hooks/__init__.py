@@ -9,10 +9,12 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.hooks.information_writer import InformationWriter
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.hooks.nan_guard import NaNGuard, NonFiniteStep
+from pimm.engines.hooks.live_control import LiveControl
+from pimm.engines.hooks.on_demand import OnDemandValidation
 from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
 from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
 
 __all__ = ["HookBase", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
            "EvaluatorBase", "InformationWriter", "IterationTimer", "NaNGuard", "NonFiniteStep", "ProgressBar",
-           "EmptyCache", "ModelHook", "FinalEvaluator"]
+           "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation"]

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset, default_collate
 
 from pimm.engines import data as data_lib
+from pimm.engines.grad_checkpoint import apply_gradient_checkpointing
 from pimm.engines.optim import build_optimizer
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
 from pimm.engines.scheduler import build_scheduler
@@ -36,6 +37,7 @@ class ComponentBuilders:
             else:
                 self.logger.warning("sync_bn=True needs CUDA (SyncBatchNorm has no CPU kernel): BatchNorm stays "
                                     "per process")
+        apply_gradient_checkpointing(model, self.cfg.get("gradient_checkpointing"), self.logger)
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.logger.info(f"Model {type(model).__name__}: {n_params:,} trainable parameters")
         return model

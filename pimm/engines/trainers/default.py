@@ -23,6 +23,7 @@ from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import HookBase, build_hooks
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
+from pimm.engines.oom_backoff import OOMBackoff
 from pimm.engines.optim_step import OptimStep
 from pimm.engines.registries import TESTERS, TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
@@ -53,6 +54,9 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
     find_unused_parameters: passed to DDP.
     stop_check_every: steps between the cross-rank checks for pre-emption signals
         and stop requests when distributed (one tiny all-reduce each).
+    oom_backoff: None (default), or ``dict(max_splits=N)``: redo a step that ran out
+        of GPU memory with its batches split into halves, quarters, ... (single
+        process; see :mod:`pimm.engines.oom_backoff`).
 
     ``hooks``: the built hooks (the CLI builds them before validating the
     config, so their ``modify_config`` runs first); None builds them from
@@ -61,7 +65,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
 
     def __init__(self, cfg, hooks: list[HookBase] | None = None, mode: str = "train", collate_fn=None,
                  val_collate_fn=None, iters_per_epoch=None, find_unused_parameters: bool = False,
-                 stop_check_every: int = 10, tracer=None):
+                 stop_check_every: int = 10, tracer=None, oom_backoff: dict | None = None):
         super().__init__()
         if tracer is not None:
             self.tracer = tracer
@@ -101,6 +105,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         self._data_iter = None
         self._last_saved_step: int | None = None
         self._first_forward = True
+        self.oom_backoff = None
         if mode == "test":
             self.model = self.model_without_ddp
             self.register_hooks(hooks)
@@ -118,6 +123,7 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
             self.iters_per_epoch = self._compute_iters_per_epoch()
             if self.evaluators and cfg.evaluate:
                 self._check_eval_split("val")  # found now, not after the first epoch
+        self.oom_backoff = OOMBackoff.from_option(oom_backoff, self.train_loader, self.world_size, self.logger)
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
         with tracer.long_span("build_optimizer"):
             self.optimizer = self.build_optimizer()
@@ -385,6 +391,8 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         try:
             with self.autocast():
                 output = self.model(batch)
+        except torch.OutOfMemoryError:
+            raise  # not a model/data mismatch: the batch does not fit (train.oom_backoff can split it)
         except Exception as err:
             self.logger.error("The model's first forward pass failed", exc_info=True, extra=FILE_ONLY)
             detail = str(err).splitlines()[0] if str(err) else ""
@@ -407,16 +415,25 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         optim_step = self.optim_step
         step_loss = None
         tracer = self.tracer
-        for micro in range(accum):
-            batch = self.next_batch()
-            with optim_step.sync(last=micro == accum - 1):
-                t = tracer.now()
-                output = self.forward(batch)
-                loss = output["loss"] / accum if accum > 1 else output["loss"]
-                t = tracer.complete("forward", t)
-                optim_step.backward(loss)
-                tracer.complete("backward", t)
-            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        kept = [] if self.oom_backoff is not None else None  # the step's batches, to redo them after an OOM
+        try:
+            for micro in range(accum):
+                batch = self.next_batch()
+                if kept is not None:
+                    kept.append(batch)
+                with optim_step.sync(last=micro == accum - 1):
+                    t = tracer.now()
+                    output = self.forward(batch)
+                    loss = output["loss"] / accum if accum > 1 else output["loss"]
+                    t = tracer.complete("forward", t)
+                    optim_step.backward(loss)
+                    tracer.complete("backward", t)
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        except torch.OutOfMemoryError as oom:
+            if kept is None:
+                raise
+            output = loss = None  # the failed attempt's graph must not outlive it
+            batch, output, step_loss = self.oom_backoff.redo_step(self, kept, oom)
         # Visible to after_backward hooks (called inside step()) and after_step hooks.
         info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
         t = tracer.now()
