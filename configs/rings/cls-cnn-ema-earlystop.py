@@ -1,8 +1,10 @@
 # Ring classification (configs/rings/cls-cnn.py) with the training-control
 # hooks of docs/hooks.md: an EMA of the weights (evaluated as val_ema/*,
 # exported as model/model_ema.pth) and early stopping on a plateau of the
-# validation accuracy. The epoch budget is deliberately generous: the run
-# stops by itself once val/acc has not improved for `patience` evaluations.
+# validation accuracy; live control through save_path/control.json (e.g.
+# {"revision": 1, "lr": 1e-3} or {"revision": 2, "stop": "enough"}). The epoch
+# budget is deliberately generous: the run stops by itself once val/acc has
+# not improved for `patience` evaluations.
 _base_ = "./cls-cnn.py"
 
 save_path = "exp/rings/cls-cnn-ema-earlystop"
@@ -17,6 +19,6 @@ hooks = [
     dict(type="ClsEvaluator", num_classes=2, class_names=["electron", "muon"]),
     dict(type="EMAHook", decay=0.99),
     dict(type="EarlyStopping", monitor="val/acc", patience=3, min_delta=0.002),
-    # dict(type="LiveControl"),  # TODO(lead): enable once the live-control hook (issue 10, item 4) is merged
+    dict(type="LiveControl", poll_every=10),
     dict(type="CheckpointSaver", keep_last=2),
 ]
