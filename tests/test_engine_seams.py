@@ -117,8 +117,19 @@ def test_optim_step_pauses_gradient_sync_except_on_the_last_micro_batch():
 # ----------------------------------------------------------------------------- events and loop control
 
 
+def _documented_hook_source() -> str:
+    """The grad-norm hook example of docs/engine.md, exactly as users read it."""
+    text = (ROOT / "docs" / "engine.md").read_text()
+    blocks = text.split("```python\n")[1:]
+    return next(block.split("```")[0] for block in blocks if "class GradNormMonitor" in block)
+
+
 def test_after_backward_sees_gradients_and_the_documented_grad_norm_hook_works(tmp_path):
-    trainer = make_trainer(tmp_path, '[dict(type="PhaseRecorder"), dict(type="GradNormHook"), '
+    from pimm.engines import HOOKS
+
+    if "GradNormMonitor" not in HOOKS:
+        exec(compile(_documented_hook_source(), "docs/engine.md", "exec"), {})
+    trainer = make_trainer(tmp_path, '[dict(type="PhaseRecorder"), dict(type="GradNormMonitor", priority=60), '
                                      'dict(type="InformationWriter", log_frequency=1)]',
                            extra="log_grad_norm = True\n")
     trainer.train()

@@ -199,16 +199,6 @@ class RaiseAtStep(HookBase):
 
 
 @HOOKS.register_module(force=True)
-class GradNormHook(HookBase):
-    """The grad-norm hook of docs/engine.md: gradients are present in after_backward."""
-
-    def after_backward(self):
-        grads = [p.grad for p in self.trainer.model_without_ddp.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        self.trainer.metrics.publish({"train/grad_norm_hook": norm}, dense=True, step=self.trainer.global_step + 1)
-
-
-@HOOKS.register_module(force=True)
 class NaNAtStep(HookBase):
     """Poisons the model's weights after ``step``: the next losses are NaN."""
 
