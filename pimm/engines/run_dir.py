@@ -16,7 +16,6 @@ SLURM/torchrun job ids) and one when it ends (exit reason and code).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import subprocess
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 from pimm.utils.errors import ConfigError, UserError
-from pimm.utils.files import set_aside
+from pimm.utils.files import append_jsonl, read_jsonl, set_aside
 
 __all__ = ["guard_fresh_run", "write_config", "AttemptRecord", "ATTEMPTS_FILE"]
 
@@ -138,27 +137,12 @@ class AttemptRecord:
     def __init__(self, save_path: str | Path, mode: str, world_size: int):
         self.path = Path(save_path) / ATTEMPTS_FILE
         self.mode, self.world_size = mode, world_size
-        self.attempt = 1 + sum(1 for record in self.read(self.path)
+        self.attempt = 1 + sum(1 for record in read_jsonl(self.path)
                                if record.get("event") == "start" and record.get("mode", "train") == mode)
         self.start_time: float | None = None
 
-    @staticmethod
-    def read(path: Path) -> list[dict]:
-        records = []
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut by a kill
-        return records
-
     def _append(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_jsonl(self.path, record)
 
     def start(self) -> dict:
         import pimm

@@ -11,9 +11,7 @@ tracks what it adds in one line, and never copies the optimizer step.
 
 from __future__ import annotations
 
-import json
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
 from pimm.engines.optim_step import OptimStep
-from pimm.engines.registries import TESTERS, TRAINERS
+from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.runtime import apply_process_settings, validate_runtime
 from pimm.engines.state import CheckpointManager, Retention, atomic_torch_save, load_weights, restore_latest
@@ -35,9 +33,9 @@ from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant
 from pimm.engines.state.restore import flatten_config
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.trainers.builders import ComponentBuilders
+from pimm.engines.trainers.evaluation import Evaluation
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
-from pimm.utils.files import set_aside
 from pimm.utils.logger import FILE_ONLY
 from pimm.utils.rng import derive_seed, seed_all
 
@@ -45,7 +43,7 @@ __all__ = ["DefaultTrainer"]
 
 
 @TRAINERS.register_module()
-class DefaultTrainer(ComponentBuilders, TrainerBase):
+class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     """Options (the keys of ``train = dict(type="DefaultTrainer", ...)``):
 
     collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
@@ -248,61 +246,6 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
         if comm.is_main_process():
             atomic_torch_save(payload, self.save_path / "model" / name)
 
-    # -- evaluation -------------------------------------------------------
-    @property
-    def eval_model(self) -> torch.nn.Module:
-        """The model evaluations run on (a hook may hand another, e.g. EMA weights)."""
-        return self.model_without_ddp
-
-    def validate(self, evaluators=None, model: torch.nn.Module | None = None, prefix: str = "val",
-                 kind: str = "scheduled") -> dict:
-        """Evaluate ``model`` (default :attr:`eval_model`) on the validation split with
-        ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
-        dispatch ``before_val`` / ``after_val(metrics)``. ``kind``: scheduled,
-        final, on_demand (metrics only: no best model, no side effects)."""
-        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind):
-            return self._validate(evaluators, model, prefix, kind)
-
-    def _validate(self, evaluators, model, prefix: str, kind: str) -> dict:
-        evaluators = self.evaluators if evaluators is None else evaluators
-        outer = getattr(self, "validation_kind", None), getattr(self, "validation_prefix", None)
-        try:
-            return self._validate_as(evaluators, model, prefix, kind)
-        finally:  # a validation started from a hook's after_val (EMA weights) leaves the outer one's context
-            self.validation_kind, self.validation_prefix = outer
-
-    def _validate_as(self, evaluators, model, prefix: str, kind: str) -> dict:
-        self.validation_kind, self.validation_prefix = kind, prefix
-        self.call_hooks("before_val")
-        model = self.eval_model if model is None else model
-        start = time.perf_counter()
-        metrics, reports = {}, []
-        shown = {}
-        for evaluator in evaluators:
-            raw = evaluator.evaluate(self.val_loader, model, images=evaluator.log_images if self.writer.logs_images
-                                     else 0)
-            evaluator.last_step = self.global_step
-            shown.update({f"{prefix}_events/{type(evaluator).__name__}/{i}": image
-                          for i, image in enumerate(evaluator.images)})
-            metrics.update({f"{prefix}/{k}": v for k, v in raw.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
-            reports.append(evaluator.report(raw))
-        self.metrics.publish(metrics)
-        self.metrics.flush()
-        self.writer.add_images(shown, self.global_step)
-        summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.logger.info(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s): {summary}")
-        for table in reports:
-            if table:
-                self.logger.info(table)
-        best = self.metrics.best
-        if kind != "on_demand" and best.name in metrics and self.metrics.update_best(best.name, metrics[best.name],
-                                                                                     self.global_step):
-            self.save_model_file("model_best.pth", metric=best.value, metric_name=best.name)
-            self.logger.info(f"New best {best.name}={best.value:.4f}: saved model/model_best.pth")
-        self.call_hooks("after_val", metrics)
-        return metrics
-
     def finish(self, stopped: bool) -> None:
         if self.cfg.evaluate and not self.control.preempted:  # a pre-empted job has no time to spare
             due = [e for e in self.evaluators if getattr(e, "last_step", None) != self.global_step]
@@ -455,49 +398,6 @@ class DefaultTrainer(ComponentBuilders, TrainerBase):
                     scalars["train/" + key] = value.detach()
         self.metrics.publish(scalars, dense=True, step=self.train_state.global_step + 1)
         self.metrics.put("time/data", self._data_time, log=False)
-
-    # -- test -----------------------------------------------------------------
-    def test_evaluators(self) -> list:
-        """What scores the test split: the config's tester (``test = dict(type=...)``
-        from TESTERS) when it names one, else the evaluator hooks."""
-        if self.cfg.get("test") is not None:
-            tester = TESTERS.build(self.cfg.test)
-            evaluator = tester.build_evaluator(self.cfg)
-            evaluator.trainer = weakref.proxy(self)
-            if tester.verbose:
-                self.logger.info(f"Tester {type(tester).__name__} for save_path {self.save_path}; config:\n"
-                                 f"{self.cfg.pretty_text}")
-            return [evaluator]
-        if not self.evaluators:
-            raise ConfigError("testing needs an evaluator: add one to hooks (e.g. dict(type='SemSegEvaluator')) or "
-                              "test = dict(type='SemSegTester')")
-        return self.evaluators
-
-    def test(self, weight=None) -> dict:
-        """Score ``weight`` (default ``cfg.weight``; None here means the current
-        weights) on the test split; the weights must fit the model exactly.
-        Writes ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
-        weight = self.cfg.weight if weight is None and self.mode == "test" else weight
-        evaluators = self.test_evaluators()
-        if weight is not None:
-            load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
-        results = {}
-        for evaluator in evaluators:
-            metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
-            results[type(evaluator).__name__] = metrics
-            summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-            self.logger.info(f"Test {type(evaluator).__name__}: {summary}")
-            table = evaluator.report(metrics)
-            if table:
-                self.logger.info(table)
-        if comm.is_main_process():
-            path = self.save_path / "test_metrics.json"
-            set_aside(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            label = str(weight) if weight is not None else f"the weights at step {self.global_step}"
-            path.write_text(json.dumps({"weight": label, "metrics": results}, indent=1))
-            self.logger.info(f"Wrote {path}")
-        return results
 
     def train(self) -> None:
         if self.cfg.detect_anomaly:
