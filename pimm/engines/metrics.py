@@ -122,6 +122,12 @@ class MetricChannel:
         """One scalar; see :meth:`publish`."""
         self.publish({name: value}, reduce=reduce, log=log)
 
+    def record(self, name: str, value: float) -> None:
+        """A host number shared with other hooks, not logged (timings): the
+        cheapest :meth:`put` for per-step values."""
+        self._latest[name] = value
+        self._windows[name].append(value)
+
     # -- reading --------------------------------------------------------
     def latest(self, name: str, default: Any = None) -> Any:
         """The newest value of ``name``, reduced across ranks. Device tensors

@@ -68,7 +68,7 @@ class OptimStep:
     def sync(self, last: bool = True):
         """Context for one micro-batch's backward: gradient all-reduce happens only when ``last``."""
         if last or self._pause_sync is None:
-            return contextlib.nullcontext()
+            return _NO_PAUSE
         return self._pause_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -105,6 +105,9 @@ class OptimStep:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+
+_NO_PAUSE = contextlib.nullcontext()  # stateless, so one instance serves every step
 
 
 def _sync_pauser(model: torch.nn.Module | None):

@@ -35,13 +35,13 @@ class IterationTimer(HookBase):
         trainer = self.trainer
         step_time = time.perf_counter() - self._step_start
         metrics = trainer.metrics
-        metrics.put("time/step", step_time, log=False)
+        metrics.record("time/step", step_time)
         self._timed_steps += 1
         if self._timed_steps > self.warmup_iter:  # the first steps pay for start-up
             self._timed_total += step_time
             mean = self._timed_total / (self._timed_steps - self.warmup_iter)
             remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - trainer.iter
-            metrics.put("time/eta", mean * remaining, log=False)
+            metrics.record("time/eta", mean * remaining)
 
     def after_train(self):
         elapsed = time.perf_counter() - self._train_start

@@ -181,7 +181,8 @@ class ComponentBuilders:
 
     def _build_autocast(self):
         if not self.cfg.enable_amp:
-            return contextlib.nullcontext
+            null = contextlib.nullcontext()  # stateless: one instance for every forward pass
+            return lambda: null
         dtype = getattr(torch, self.cfg.amp_dtype)
         return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
 

@@ -397,7 +397,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 if key != "loss" and isinstance(value, torch.Tensor) and value.ndim == 0:
                     scalars["train/" + key] = value.detach()
         self.metrics.publish(scalars, dense=True, step=self.train_state.global_step + 1)
-        self.metrics.put("time/data", self._data_time, log=False)
+        self.metrics.record("time/data", self._data_time)
 
     def train(self) -> None:
         if self.cfg.detect_anomaly:

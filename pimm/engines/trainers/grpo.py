@@ -341,6 +341,6 @@ class GRPOTrainer(DefaultTrainer):
         scalars["train/lr"] = result.lr
         self.metrics.publish(scalars, reduce={k: reduce_op_by_suffix(k) for k in scalars}, dense=True,
                              step=self.train_state.global_step + 1)
-        self.metrics.put("time/data", self._data_time, log=False)
+        self.metrics.record("time/data", self._data_time)
         if update_index == updates - 1:
             cache.clear()  # the next step samples a new rollout; nothing to checkpoint
