@@ -118,7 +118,7 @@ def _table(parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, argparse._SubParsersAction):
             continue
         meaning = _help(action, parser)
-        if isinstance(action, argparse._AppendAction):
+        if isinstance(action, argparse._AppendAction) and "several times" not in meaning:
             meaning += " (may be given several times)"
         rows.append(f"| `{_argument(action)}` | {_default(action)} | {meaning} |")
     return rows if len(rows) > 2 else []
