@@ -144,9 +144,9 @@ class PILArNetH5Dataset(PointDataset):
             low-energy deposits) and its points.
         old_pid_mapping: particle type -1 becomes 6 instead of 5 (v2 / v3).
         ignore_index: recorded for configs that read it; labels are not changed.
-        test_mode, test_cfg, overlay_n_events, overlay_prob,
-        overlay_allow_repeats: upstream's test fragments and event overlay are
-            not supported; any value other than the default is a ``ConfigError``.
+        test_mode, test_cfg, overlay_n_events, overlay_prob, overlay_allow_repeats: upstream's
+            test fragments and event overlay are not supported; any value other
+            than the default is a ``ConfigError``.
 
     Items (numpy): ``coord`` (N,3) float32 voxel coordinates, ``energy``
     (N,1) float32 (voxel value); int64 (N,) labels ``segment`` = ``segment_motif``
