@@ -58,16 +58,22 @@ train = dict(type="DefaultTrainer", iters_per_epoch=7)
 """
 
 
-def test_iterable_data_set_trains_with_iters_per_epoch_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("kill_step,resumed_from", [(12, None), (9, 7)], ids=["mid-epoch", "from-epoch-end"])
+def test_iterable_data_set_trains_with_iters_per_epoch_and_resumes_exactly(tmp_path, kill_step, resumed_from):
     reference = tmp_path / "ref"
     result = run_tool("train", write_toy_config(tmp_path, reference, extra=STREAM))
     assert result.returncode == 0, result.stderr
     assert [s for s, _ in train_losses(reference)] == list(range(1, 22))  # 3 epochs x 7 steps
     save = tmp_path / "run"
-    cfg = write_toy_config(tmp_path, save, extra=STREAM + 'hooks = hooks + [dict(type="KillAtStep", step=12)]\n')
-    assert run_tool("train", cfg).returncode == -9
-    resumed = run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1")
+    cfg = write_toy_config(tmp_path, save, extra=STREAM + f'hooks = hooks + [dict(type="KillAtStep", step={kill_step})]\n')
+    # Synchronous writes when the test needs a known checkpoint: step 7, the end of epoch 1 (the stream
+    # must go on where epoch 1 left it, not restart).
+    sync = ("hooks.CheckpointSaver.async_write=False",) if resumed_from else ()
+    assert run_tool("train", cfg, *sync).returncode == -9
+    resumed = run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1", *sync)
     assert resumed.returncode == 0, resumed.stderr
+    if resumed_from:
+        assert f"Resumed from step{resumed_from:09d}" in (save / "train.log").read_text()
     ref, got = final_weights(reference), final_weights(save)
     assert all(torch.equal(ref["state_dict"][k], got["state_dict"][k]) for k in ref["state_dict"])
     assert train_losses(reference) == train_losses(save)

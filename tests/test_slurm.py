@@ -1,4 +1,4 @@
-"""``pimm submit`` (pimm/distributed/slurm.py, slurm_task.py).
+"""``pimm submit`` (pimm/tools/submit.py, slurm_task.py).
 
 Fast tests: the ``--dry-run`` script and torchrun command, bad options (exit
 2, one ``error:`` line), and the requeue decision of the node task. The slow
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pimm.distributed import slurm  # noqa: E402
+from pimm.tools import submit as slurm  # noqa: E402
 from pimm.distributed.slurm_task import NodeTask, Rendezvous, master_port, torchrun_command  # noqa: E402
 from tests.support import fake_slurm  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
@@ -53,7 +53,7 @@ def _registered():
 
 def test_dry_run_prints_the_script_and_the_command_each_task_runs(tmp_path):
     cfg = _config(tmp_path, tmp_path / "run")
-    cmd = [sys.executable, "-m", "pimm.distributed.slurm", "--config-file", str(cfg), "--nodes", "2",
+    cmd = [sys.executable, "-m", "pimm.tools.submit", "--config-file", str(cfg), "--nodes", "2",
            "--gpus-per-node", "4", "--time", "1-01:30:00", "--signal-seconds", "300", "--partition", "gpu",
            "--account", "lab", "--qos", "high", "--mem", "64G", "--slurm-option", "constraint=a100",
            "--slurm-option", "exclusive", "--max-requeues", "5", "--dry-run", "--options", "optimizer.lr=0.02"]
@@ -198,7 +198,7 @@ def test_preempted_job_requeues_and_ends_bit_identical(tmp_path):
 
     env = fake_slurm.install(tmp_path / "fake", tool_env())
     save_path = tmp_path / "run"
-    submit = subprocess.run([sys.executable, "-m", "pimm.distributed.slurm", "--config-file", str(cfg), "--nodes",
+    submit = subprocess.run([sys.executable, "-m", "pimm.tools.submit", "--config-file", str(cfg), "--nodes",
                              "2", "--time", "00:30:00", "--max-requeues", "2", "--options", f"save_path={save_path}"],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert submit.returncode == 0, submit.stderr

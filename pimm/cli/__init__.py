@@ -7,7 +7,7 @@
   ``pimm-test`` console scripts);
 * ``trace summarize|export RUN``: :mod:`pimm.tools.trace_report`;
 * ``plot RUN...``: :mod:`pimm.tools.plot`;
-* ``submit``: ``pimm.distributed.slurm.main``.
+* ``submit``: :mod:`pimm.tools.submit` (SLURM).
 
 Nothing heavy is imported at module level: torch, the models and data sets
 load only for ``train`` / ``test`` (:func:`register_all`), matplotlib only
@@ -86,18 +86,9 @@ def _plot(argv: list[str]) -> int:
 
 
 def _submit(argv: list[str]) -> int:
-    import importlib
+    from pimm.tools import submit
 
-    from pimm.utils.errors import UserError
-
-    try:
-        slurm = importlib.import_module("pimm.distributed.slurm")
-    except ModuleNotFoundError as err:
-        if err.name != "pimm.distributed.slurm":
-            raise
-        raise UserError("pimm submit: this pimm has no SLURM support (module pimm.distributed.slurm is missing); "
-                        "update pimm or submit tools/train.py with sbatch yourself") from None
-    return slurm.main(argv)
+    return submit.main(argv)
 
 
 COMMANDS = {

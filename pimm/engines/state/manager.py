@@ -99,10 +99,14 @@ def _save_synced(obj: Any, path: Path) -> dict:
 
 
 def _write_json_synced(obj: Any, path: Path) -> None:
-    with open(path, "w") as fh:
+    """Write, fsync, then rename into place: a reader polling for ``path`` (rank
+    0 waiting for another rank's done-marker) never sees it half-written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def _frozen(obj: Any) -> Any:

@@ -200,8 +200,9 @@ class LoaderParticipant:
         state = trainer.train_state
         if train_sampler(trainer.train_loader) is not None:
             return {"kind": "position", "epoch": state.epoch, "samples_in_epoch": state.samples_seen_in_epoch()}
-        # Between epochs the loader still describes the finished epoch's iterator.
-        return {"kind": "loader", "state": trainer.train_loader.state_dict() if state.iter_in_epoch else None}
+        # Also between epochs: an iterable data set's stream goes on from where the
+        # last epoch left it (the next epoch's iterator continues the same stream).
+        return {"kind": "loader", "state": trainer.train_loader.state_dict()}
 
     def restore(self, state: dict | None, context) -> None:
         trainer, train_state = self.trainer, self.trainer.train_state

@@ -2,7 +2,7 @@
 
 ``pimm submit --config-file CFG --nodes N --gpus-per-node G --time HH:MM:SS
 [...] [--dry-run] [--options k=v ...]`` (also ``python -m
-pimm.distributed.slurm ...``) validates everything it can on the login node
+pimm.tools.submit ...``) validates everything it can on the login node
 (options, time format, the config with its ``--options`` at the job's world
 size, and the save_path rule of ``tools/train.py``: an existing run needs
 ``resume=True``), then submits through submitit one task per node that runs
@@ -134,8 +134,10 @@ class JobPlan:
 
 def _load_config(config_file: str, options: list[str], world_size: int):
     """The config as tools/train.py would load it for ``world_size`` ranks (validated)."""
-    import pimm.cli  # noqa: F401  (registers models, data sets, evaluators: the config may name them)
+    from pimm.cli import register_all
     from pimm.engines.launch import load_config
+
+    register_all()  # the config may name any registered model, data set, evaluator
 
     loaded = load_config(config_file, options, world_size, "train")
     return loaded[0] if isinstance(loaded, tuple) else loaded
