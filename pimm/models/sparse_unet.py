@@ -14,7 +14,6 @@ the finest voxels copied back to their points.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -33,39 +32,9 @@ from .point_ops import (
     submanifold_kernel_map,
     voxelize,
 )
+from .sparse_conv import SparseConv
 
 __all__ = ["SparseConv", "SparseUNet"]
-
-
-class SparseConv(nn.Module):
-    """Sparse convolution with one (C_in, C_out) weight per kernel offset.
-
-    ``out[o] = sum over pairs (i, o) of offset k of x[i] @ W[k]``; the
-    identity offset of a submanifold map is a dense matmul.
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_volume: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(kernel_volume, in_channels, out_channels))
-        # Kaiming-uniform over the full kernel fan-in; BatchNorm follows every
-        # convolution, so the sparse (smaller) effective fan-in does not matter.
-        bound = math.sqrt(6.0 / (kernel_volume * in_channels))
-        nn.init.uniform_(self.weight, -bound, bound)
-
-    def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        # split/unbind rather than slicing: their backward is one concatenation,
-        # where each slice's backward would allocate a full-size zero gradient.
-        weights = self.weight.unbind(0)
-        if kmap.identity >= 0:
-            out = x @ weights[kmap.identity]
-        else:
-            out = x.new_zeros(kmap.num_out, self.weight.shape[2])
-        if kmap.in_idx.numel() == 0:
-            return out
-        # One gather for all offsets, one small matmul per offset, one scatter.
-        groups = x.index_select(0, kmap.in_idx).split(kmap.counts)
-        msgs = torch.cat([g @ w for g, w in zip(groups, weights) if g.shape[0]])
-        return out.index_add(0, kmap.out_idx, msgs)
 
 
 class _ConvBNReLU(nn.Module):
@@ -194,8 +163,8 @@ class SparseUNet(nn.Module):
                 skips.append(x)
                 x = self.down[i](x, down[i])
         for i in reversed(range(len(self.up))):
-            x = self.up[i](x, down[i].transposed(skips[i].shape[0]))
+            x = self.up[i](x, down[i].transposed())
             x = self.fuse[i](torch.cat([x, skips[i]], dim=1))
             for blk in self.dec[i]:
                 x = blk(x, subm[i])
-        return x[inverse]
+        return x.index_select(0, inverse)

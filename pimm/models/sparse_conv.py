@@ -1,0 +1,106 @@
+"""Sparse convolution over a kernel map, as one autograd node.
+
+``out[o] = sum over pairs (i, o) of offset k of x[i] @ W[k]`` (plus
+``x @ W[centre]`` for the identity offset of a submanifold map).
+
+Each call does: one ``index_select`` of the pair rows, one matmul per kernel
+offset on its contiguous block of pairs, and one CSR sparse-dense product that
+sums the messages into their outputs (:meth:`KernelMap.scatter_out`). The
+backward pass is written out by hand (:class:`_SparseConvFunction`) and is
+again gather -> per-offset matmuls -> CSR scatter, instead of what autograd
+derives from the forward: ~80 small nodes per convolution (a matmul backward
+per offset, split/cat, an ``index_add`` whose backward is a zero-filled
+scatter), which cost more than the arithmetic on this data (3-4 neighbours
+per voxel, 16-96 channels). The scatter matrices belong to the kernel map,
+so they are built once per resolution and batch and reused by every layer
+and by both passes.
+
+Why not a library: spconv/torchsparse/MinkowskiEngine need a compiler or a
+CUDA build; this is plain PyTorch and runs the same on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .point_ops import KernelMap
+
+__all__ = ["SparseConv", "sparse_conv"]
+
+
+class _SparseConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
+        layout = kmap.layout()
+        cin, cout = weight.shape[1:]
+        x_slots = x.index_select(0, layout.gather_in)
+        x_slots.index_fill_(0, layout.pads, 0.0)
+        msgs, first = [], 0
+        for offsets, length in layout.buckets:
+            n = offsets.numel() * length
+            block = x_slots[first:first + n].view(-1, length, cin)
+            msgs.append(torch.bmm(block, weight.index_select(0, offsets)).view(n, cout))
+            first += n
+        if msgs:
+            out = layout.to_out(torch.cat(msgs))
+        else:
+            out = x.new_zeros(kmap.num_out, cout)
+        if kmap.identity >= 0:
+            out.addmm_(x, weight[kmap.identity])
+        ctx.save_for_backward(x, weight, x_slots)
+        ctx.kmap = kmap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, x_slots = ctx.saved_tensors
+        kmap: KernelMap = ctx.kmap
+        layout = kmap.layout()
+        cin, cout = weight.shape[1:]
+        grad_out = grad_out.contiguous()
+        g_slots = grad_out.index_select(0, layout.gather_out)
+        grad_w = torch.zeros_like(weight)
+        back, first = [], 0
+        for offsets, length in layout.buckets:
+            n = offsets.numel() * length
+            g_block = g_slots[first:first + n].view(-1, length, cout)
+            x_block = x_slots[first:first + n].view(-1, length, cin)
+            # Padding rows of x_slots are zero, so they add nothing here.
+            grad_w.index_copy_(0, offsets, torch.bmm(x_block.transpose(1, 2), g_block))
+            if ctx.needs_input_grad[0]:
+                w_t = weight.index_select(0, offsets).transpose(1, 2)
+                back.append(torch.bmm(g_block, w_t).view(n, cin))
+            first += n
+        if kmap.identity >= 0:
+            grad_w[kmap.identity] = x.t() @ grad_out
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = layout.to_in(torch.cat(back)) if back else torch.zeros_like(x)
+            if kmap.identity >= 0:
+                grad_x.addmm_(grad_out, weight[kmap.identity].t())
+        return grad_x, grad_w, None
+
+
+def sparse_conv(x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
+    """(num_in, C_in) features, (K, C_in, C_out) weight -> (num_out, C_out)."""
+    if weight.shape[0] != len(kmap.counts):
+        raise ValueError(f"weight has {weight.shape[0]} kernel offsets, the kernel map {len(kmap.counts)}")
+    return _SparseConvFunction.apply(x, weight, kmap)
+
+
+class SparseConv(nn.Module):
+    """Sparse convolution with one (C_in, C_out) weight per kernel offset."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_volume: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(kernel_volume, in_channels, out_channels))
+        # Kaiming-uniform over the full kernel fan-in; BatchNorm follows every
+        # convolution, so the sparse (smaller) effective fan-in does not matter.
+        bound = math.sqrt(6.0 / (kernel_volume * in_channels))
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
+        return sparse_conv(x, self.weight, kmap)
