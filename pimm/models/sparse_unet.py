@@ -143,7 +143,7 @@ class SparseUNet(nn.Module):
     def forward(self, input_dict: dict) -> torch.Tensor:
         grid, batch = self.grid_coord(input_dict)
         vgrid, vbatch, inverse = voxelize(grid, batch)
-        x = scatter_mean(input_dict["feat"].float(), inverse, vgrid.shape[0])
+        x = scatter_mean(input_dict["feat"].to(self.stem.conv.weight.dtype), inverse, vgrid.shape[0])
 
         # Kernel maps of every level, built once and shared by all its blocks.
         subm, down = [], []
