@@ -113,6 +113,17 @@ def check_same_numerics(today: Trainee, kernels: Trainee, batch: dict) -> str:
     return f"loss {losses[0]:.6f} vs {losses[1]:.6f}, worst relative gradient difference {worst:.1e}"
 
 
+def parse_dict(text: str) -> dict:
+    """``{"k": v}`` or ``dict(k=v)`` with literal values (never evaluated as code)."""
+    node = ast.parse(text, mode="eval").body
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
+        return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+    value = ast.literal_eval(node)
+    if not isinstance(value, dict):
+        raise SystemExit(f"--backbone must be a dict, got {text!r}")
+    return value
+
+
 def _proc_status() -> dict[str, int] | None:
     try:
         text = Path("/proc/self/status").read_text()
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     cfg = Config.fromfile(CONFIG)
-    backbone_cfg = dict(cfg.model.backbone) if args.backbone is None else ast.literal_eval(args.backbone)
+    backbone_cfg = dict(cfg.model.backbone) if args.backbone is None else parse_dict(args.backbone)
     backbone_cfg.setdefault("type", "SparseUNet")
     backbone_cfg.setdefault("in_channels", 1)
     lr, wd = cfg.optimizer.lr, cfg.optimizer.get("weight_decay", 0.0)

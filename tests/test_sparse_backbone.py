@@ -14,15 +14,10 @@ import torch
 import pimm.models  # noqa: F401  (registers the models)
 from pimm.engines.registries import MODELS
 from pimm.models import sparse_unet
-from pimm.models.point_ops import (
-    KernelMap,
-    PairLayout,
-    downsample_kernel_map,
-    neighbor_pairs,
-    neighbor_table,
-    submanifold_kernel_map,
-    voxelize,
-)
+from pimm.models.point_ops import neighbor_pairs, neighbor_table, voxelize
+from pimm.models import sparse_maps
+from pimm.models.sparse_maps import KernelMap, downsample_kernel_map, kernel_map_pyramid, submanifold_kernel_map
+from pimm.models import sparse_conv as sparse_conv_module
 from pimm.models.sparse_conv import sparse_conv
 
 
@@ -96,7 +91,7 @@ def test_submanifold_conv_matches_dense_reference(kernel_size, shuffle):
     x = torch.randn(grid.shape[0], 3, generator=g, dtype=torch.float64)
     weight = torch.randn(kernel_size**3, 3, 4, generator=g, dtype=torch.float64)
     kmap = submanifold_kernel_map(grid, batch, kernel_size)
-    assert kmap.layout().pads.numel() > 0, "the data should exercise padded matmul blocks"
+    assert kmap.layout.pads.numel() > 0, "the data should exercise padded matmul blocks"
     ours = grads(lambda a, w: sparse_conv(a, w, kmap), x, weight)
     ref = grads(lambda a, w: reference_submanifold(a, w, grid, batch, kernel_size), x, weight)
     for a, b in zip(ours, ref):
@@ -136,7 +131,7 @@ def test_isolated_voxels_reduce_to_the_centre_weight():
     grid = torch.tensor([[0, 0, 0], [5, 5, 5], [0, 0, 0]])
     batch = torch.tensor([0, 0, 1])  # the two (0,0,0) voxels are in different events
     kmap = submanifold_kernel_map(grid, batch, 3)
-    assert sum(kmap.counts) == 0 and kmap.in_idx.numel() == 0
+    assert sum(kmap.counts) == 0 and kmap.pairs[0].numel() == 0
     x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(27, 2, 4, dtype=torch.float64, requires_grad=True)
     out = sparse_conv(x, weight, kmap)
@@ -145,14 +140,27 @@ def test_isolated_voxels_reduce_to_the_centre_weight():
     assert weight.grad[torch.arange(27) != 13].abs().sum() == 0
 
 
-def test_row_sums_equal_index_add():
+def test_layout_sums_equal_index_add():
     grid, batch = random_voxels(300, 10, 2, seed=4)
     kmap = submanifold_kernel_map(grid, batch, 3)
     down, _, _ = downsample_kernel_map(grid, batch, 2)
-    for m in (kmap, down, down.transposed()):
-        src = torch.randn(m.in_idx.numel(), 3, dtype=torch.float64)
-        torch.testing.assert_close(m.sum_to_out()(src), torch.zeros(m.num_out, 3, dtype=torch.float64).index_add_(0, m.out_idx, src))
-        torch.testing.assert_close(m.sum_to_in()(src), torch.zeros(m.num_in, 3, dtype=torch.float64).index_add_(0, m.in_idx, src))
+    in_idx, out_idx = kmap.pairs
+    offset = torch.repeat_interleave(torch.arange(27), torch.tensor(kmap.counts))
+    perm = torch.randperm(in_idx.numel(), generator=torch.Generator().manual_seed(0))
+    generic = KernelMap.from_pairs(in_idx[perm], out_idx[perm], offset[perm], 27, kmap.num_in, kmap.num_out, 13)
+    for m in (kmap, down, down.transposed(), generic):
+        layout = m.layout
+        slots = layout.gather_in.numel()
+        src = torch.randn(slots, 3, dtype=torch.float64)
+        real = torch.ones(slots, dtype=torch.bool)
+        real[layout.pads] = False
+        expect_out = torch.zeros(m.num_out, 3, dtype=torch.float64).index_add_(0, layout.gather_out[real], src[real])
+        expect_in = torch.zeros(m.num_in, 3, dtype=torch.float64).index_add_(0, layout.gather_in[real], src[real])
+        torch.testing.assert_close(layout.to_out(src), expect_out)
+        torch.testing.assert_close(layout.to_in(src), expect_in)
+        # The real slots hold exactly the map's pairs.
+        pairs = sorted(zip(layout.gather_in[real].tolist(), layout.gather_out[real].tolist()))
+        assert pairs == sorted(zip(*(t.tolist() for t in m.pairs)))
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -171,26 +179,58 @@ def test_neighbor_table_matches_brute_force(shuffle):
 
 
 def test_kernel_maps_built_once_per_resolution(monkeypatch):
-    calls = {"subm": 0, "down": 0, "layout": 0}
+    """One pyramid build per forward; every convolution of a resolution runs
+    on that resolution's map, and the transposed convolutions on the layouts
+    of the strided ones."""
+    built, used = [], []
 
-    def counting(name, fn):
-        def wrapped(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
+    def counting_pyramid(*args, **kwargs):
+        maps = kernel_map_pyramid(*args, **kwargs)
+        built.append(maps)
+        return maps
 
-    monkeypatch.setattr(sparse_unet, "submanifold_kernel_map", counting("subm", submanifold_kernel_map))
-    monkeypatch.setattr(sparse_unet, "downsample_kernel_map", counting("down", downsample_kernel_map))
-    monkeypatch.setattr(PairLayout, "build", classmethod(counting("layout", PairLayout.build.__func__)))
+    def recording_conv(x, weight, kmap):
+        used.append(kmap)
+        return sparse_conv(x, weight, kmap)
+
+    monkeypatch.setattr(sparse_unet, "kernel_map_pyramid", counting_pyramid)
+    monkeypatch.setattr(sparse_conv_module, "sparse_conv", recording_conv)
+    tables = []
+    monkeypatch.setattr(sparse_maps, "_maps_from_table", counting(tables, sparse_maps._maps_from_table))
     model = MODELS.build(dict(type="SparseUNet", in_channels=1, channels=(4, 8, 8), enc_blocks=(2, 1, 1), dec_blocks=(1, 1)))
     grid, batch = random_voxels(300, 12, 2, seed=8)
     offset = torch.bincount(batch).cumsum(0)
     out = model(dict(coord=grid.float(), feat=torch.ones(grid.shape[0], 1), offset=offset))
     out.sum().backward()
-    # 3 resolutions: 3 submanifold maps and 2 stride-2 maps; one pair layout
-    # each (the transposed convolutions reuse their stride-2 map's layout),
-    # for 2 + 1 + 1 + 1 + 1 + 1 submanifold convolutions and 4 strided ones.
-    assert calls == {"subm": 3, "down": 2, "layout": 5}
+    assert len(built) == 1 and len(tables) == 2  # one table for all submanifold maps, one for the strided
+    subm, strided = built[0]
+    assert len(subm) == 3 and len(strided) == 2
+    # level 0: stem, 2 encoder blocks, 1 decoder block; level 1: 1 + 1 blocks; level 2: 1 block
+    assert [sum(m is s for m in used) for s in subm] == [1 + 4 + 2, 2 + 2, 2]
+    assert [sum(m is s for m in used) for s in strided] == [1, 1]
+    ups = [m for m in used if not any(m is s for s in subm + strided)]
+    assert len(ups) == 2 and {id(m.layout.gather_in) for m in ups} == {id(s.layout.gather_out) for s in strided}
+
+
+def counting(calls, fn):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def test_pyramid_equals_level_by_level_maps():
+    grid, batch = random_voxels(500, 40, 3, seed=12)
+    subm, strided = kernel_map_pyramid(grid, batch, 3)
+    g, b = grid, batch
+    for level in range(3):
+        single = submanifold_kernel_map(g, b, 3)
+        assert subm[level].counts == single.counts and subm[level].num_in == g.shape[0]
+        assert all(torch.equal(x, y) for x, y in zip(subm[level].pairs, single.pairs))
+        if level < 2:
+            down, g, b = downsample_kernel_map(g, b, 2)
+            assert strided[level].counts == down.counts and strided[level].num_out == g.shape[0]
+            assert all(torch.equal(x, y) for x, y in zip(strided[level].pairs, down.pairs))
 
 
 def test_forward_and_backward_are_deterministic():
@@ -212,20 +252,19 @@ def test_kernel_map_shapes_and_offsets():
     grid, batch = random_voxels(200, 8, 2, seed=10)
     kmap = submanifold_kernel_map(grid, batch, 3)
     offsets = list(itertools.product((-1, 0, 1), repeat=3))
+    in_idx, out_idx = kmap.pairs
     start = 0
     for k, count in enumerate(kmap.counts):
         seg = slice(start, start + count)
-        diff = grid[kmap.in_idx[seg]] - grid[kmap.out_idx[seg]]
+        diff = grid[in_idx[seg]] - grid[out_idx[seg]]
         assert (diff == torch.tensor(offsets[k])).all()
         start += count
     assert kmap.counts[13] == 0 and kmap.identity == 13 and kmap.num_in == kmap.num_out == grid.shape[0]
     # Mirrored offsets hold the same pairs reversed.
     assert kmap.counts == kmap.counts[::-1]
-    layout = kmap.layout()
+    layout = kmap.layout
     slots = layout.gather_in.numel()
     assert slots == sum(k.numel() * length for k, length in layout.buckets)
     assert slots - layout.pads.numel() == sum(kmap.counts)
     with pytest.raises(ValueError, match="kernel offsets"):
         sparse_conv(torch.randn(grid.shape[0], 2), torch.randn(8, 2, 2), kmap)
-    with pytest.raises(ValueError, match="num_in"):
-        KernelMap(kmap.in_idx, kmap.out_idx, kmap.counts, kmap.num_out).sum_to_in()

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from .point_ops import KernelMap
+from .sparse_maps import KernelMap
 
 __all__ = ["SparseConv", "sparse_conv"]
 
@@ -34,7 +34,7 @@ __all__ = ["SparseConv", "sparse_conv"]
 class _SparseConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        layout = kmap.layout()
+        layout = kmap.layout
         cin, cout = weight.shape[1:]
         x_slots = x.index_select(0, layout.gather_in)
         x_slots.index_fill_(0, layout.pads, 0.0)
@@ -58,7 +58,7 @@ class _SparseConvFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, x_slots = ctx.saved_tensors
         kmap: KernelMap = ctx.kmap
-        layout = kmap.layout()
+        layout = kmap.layout
         cin, cout = weight.shape[1:]
         grad_out = grad_out.contiguous()
         g_slots = grad_out.index_select(0, layout.gather_out)

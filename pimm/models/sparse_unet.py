@@ -22,16 +22,8 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
-from .point_ops import (
-    KernelMap,
-    downsample_kernel_map,
-    event_grid_coord,
-    event_min,
-    offset2batch,
-    scatter_mean,
-    submanifold_kernel_map,
-    voxelize,
-)
+from .point_ops import event_grid_coord, event_min, offset2batch, scatter_mean, voxelize
+from .sparse_maps import KernelMap, kernel_map_pyramid
 from .sparse_conv import SparseConv
 
 __all__ = ["SparseConv", "SparseUNet"]
@@ -146,13 +138,7 @@ class SparseUNet(nn.Module):
         x = scatter_mean(input_dict["feat"].to(self.stem.conv.weight.dtype), inverse, vgrid.shape[0])
 
         # Kernel maps of every level, built once and shared by all its blocks.
-        subm, down = [], []
-        g, b = vgrid, vbatch
-        for i in range(len(self.enc)):
-            subm.append(submanifold_kernel_map(g, b, self.kernel_size))
-            if i < len(self.down):
-                kmap, g, b = downsample_kernel_map(g, b, 2)
-                down.append(kmap)
+        subm, down = kernel_map_pyramid(vgrid, vbatch, len(self.enc), self.kernel_size)
 
         x = self.stem(x, subm[0])
         skips = []
