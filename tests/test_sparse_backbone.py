@@ -268,3 +268,21 @@ def test_kernel_map_shapes_and_offsets():
     assert slots - layout.pads.numel() == sum(kmap.counts)
     with pytest.raises(ValueError, match="kernel offsets"):
         sparse_conv(torch.randn(grid.shape[0], 2), torch.randn(8, 2, 2), kmap)
+    with pytest.raises(ValueError, match="rows"):
+        sparse_conv(torch.randn(grid.shape[0] + 1, 2), torch.randn(27, 2, 2), kmap)
+
+
+def test_runs_under_cpu_autocast():
+    """Under AMP the convolutions keep full precision (BatchNorm hands them
+    float32 anyway) and training works end to end."""
+    torch.manual_seed(0)
+    model = MODELS.build(dict(type="SparseUNet", in_channels=2, channels=(4, 8, 8), enc_blocks=(1, 1, 1), dec_blocks=(1, 1)))
+    grid, batch = random_voxels(300, 12, 2, seed=13)
+    data = dict(coord=grid.float(), feat=torch.rand(grid.shape[0], 2), offset=torch.bincount(batch).cumsum(0))
+    reference = model(data)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(data)
+    out.float().pow(2).mean().backward()
+    assert out.shape == reference.shape
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert model.stem.conv.weight.grad.abs().sum() > 0

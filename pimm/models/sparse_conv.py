@@ -85,10 +85,19 @@ class _SparseConvFunction(torch.autograd.Function):
 
 
 def sparse_conv(x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-    """(num_in, C_in) features, (K, C_in, C_out) weight -> (num_out, C_out)."""
-    if weight.shape[0] != len(kmap.counts):
-        raise ValueError(f"weight has {weight.shape[0]} kernel offsets, the kernel map {len(kmap.counts)}")
-    return _SparseConvFunction.apply(x, weight, kmap)
+    """(num_in, C_in) features, (K, C_in, C_out) weight -> (num_out, C_out).
+
+    Runs in the promoted dtype of ``x`` and ``weight`` with autocast off, so
+    under AMP the convolution itself stays in full precision (its matmuls are
+    small; the pair bookkeeping dominates).
+    """
+    if weight.shape[0] != kmap.kernel_volume:
+        raise ValueError(f"weight has {weight.shape[0]} kernel offsets, the kernel map {kmap.kernel_volume}")
+    if x.shape[0] != kmap.num_in:
+        raise ValueError(f"x has {x.shape[0]} rows, the kernel map expects {kmap.num_in}")
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return _SparseConvFunction.apply(x.to(dtype), weight.to(dtype), kmap)
 
 
 class SparseConv(nn.Module):
