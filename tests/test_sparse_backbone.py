@@ -264,7 +264,8 @@ def test_kernel_map_shapes_and_offsets():
     assert kmap.counts == kmap.counts[::-1]
     layout = kmap.layout
     slots = layout.gather_in.numel()
-    assert slots == sum(k.numel() * length for k, length in layout.buckets)
+    assert slots == sum(blocks * length for blocks, length in layout.buckets)
+    assert layout.slot_offsets.numel() == sum(blocks for blocks, _ in layout.buckets) == sum(c > 0 for c in kmap.counts)
     assert slots - layout.pads.numel() == sum(kmap.counts)
     with pytest.raises(ValueError, match="kernel offsets"):
         sparse_conv(torch.randn(grid.shape[0], 2), torch.randn(8, 2, 2), kmap)

@@ -32,53 +32,53 @@ __all__ = ["SparseConv", "sparse_conv"]
 
 
 class _SparseConvFunction(torch.autograd.Function):
+    # Each bucket costs a handful of dispatched ops and the matmuls write
+    # straight into one buffer: on LArTPC batches the convolutions are small
+    # enough that the number of ops, not their arithmetic, sets much of the cost.
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
         layout = kmap.layout
         cin, cout = weight.shape[1:]
         x_slots = x.index_select(0, layout.gather_in)
         x_slots.index_fill_(0, layout.pads, 0.0)
-        msgs, first = [], 0
-        for offsets, length in layout.buckets:
-            n = offsets.numel() * length
-            block = x_slots[first:first + n].view(-1, length, cin)
-            msgs.append(torch.bmm(block, weight.index_select(0, offsets)).view(n, cout))
-            first += n
-        if msgs:
-            out = layout.to_out(torch.cat(msgs))
-        else:
-            out = x.new_zeros(kmap.num_out, cout)
+        w_blocks = weight.index_select(0, layout.slot_offsets)  # one weight per block, in slot order
+        msgs = x.new_empty(x_slots.shape[0], cout)
+        for xb, wb, mb, (n, _) in zip(x_slots.split(layout.bucket_slots), w_blocks.split(layout.bucket_blocks),
+                                      msgs.split(layout.bucket_slots), layout.buckets):
+            torch.bmm(xb.view(n, -1, cin), wb, out=mb.view(n, -1, cout))
+        out = layout.to_out(msgs) if msgs.shape[0] else x.new_zeros(kmap.num_out, cout)
         if kmap.identity >= 0:
             out.addmm_(x, weight[kmap.identity])
-        ctx.save_for_backward(x, weight, x_slots)
+        ctx.save_for_backward(x, weight, x_slots, w_blocks)
         ctx.kmap = kmap
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, x_slots = ctx.saved_tensors
+        x, weight, x_slots, w_blocks = ctx.saved_tensors
         kmap: KernelMap = ctx.kmap
         layout = kmap.layout
         cin, cout = weight.shape[1:]
         grad_out = grad_out.contiguous()
         g_slots = grad_out.index_select(0, layout.gather_out)
-        grad_w = torch.zeros_like(weight)
-        back, first = [], 0
-        for offsets, length in layout.buckets:
-            n = offsets.numel() * length
-            g_block = g_slots[first:first + n].view(-1, length, cout)
-            x_block = x_slots[first:first + n].view(-1, length, cin)
+        need_x = ctx.needs_input_grad[0]
+        grad_blocks = torch.empty_like(w_blocks)
+        back = torch.empty_like(x_slots) if need_x else None
+        pieces = zip(x_slots.split(layout.bucket_slots), g_slots.split(layout.bucket_slots),
+                     w_blocks.transpose(1, 2).split(layout.bucket_blocks), grad_blocks.split(layout.bucket_blocks),
+                     back.split(layout.bucket_slots) if need_x else [None] * len(layout.buckets), layout.buckets)
+        for xb, gb, wt, grad_b, bb, (n, _) in pieces:
+            gb = gb.view(n, -1, cout)
             # Padding rows of x_slots are zero, so they add nothing here.
-            grad_w.index_copy_(0, offsets, torch.bmm(x_block.transpose(1, 2), g_block))
-            if ctx.needs_input_grad[0]:
-                w_t = weight.index_select(0, offsets).transpose(1, 2)
-                back.append(torch.bmm(g_block, w_t).view(n, cin))
-            first += n
+            torch.bmm(xb.view(n, -1, cin).transpose(1, 2), gb, out=grad_b)
+            if need_x:
+                torch.bmm(gb, wt, out=bb.view(n, -1, cin))
+        grad_w = torch.zeros_like(weight).index_copy_(0, layout.slot_offsets, grad_blocks)
         if kmap.identity >= 0:
-            grad_w[kmap.identity] = x.t() @ grad_out
+            torch.mm(x.t(), grad_out, out=grad_w[kmap.identity])
         grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = layout.to_in(torch.cat(back)) if back else torch.zeros_like(x)
+        if need_x:
+            grad_x = layout.to_in(back) if back.shape[0] else torch.zeros_like(x)
             if kmap.identity >= 0:
                 grad_x.addmm_(grad_out, weight[kmap.identity].t())
         return grad_x, grad_w, None
