@@ -23,7 +23,7 @@ per level the cost of each op was mostly fixed overhead (LArTPC levels hold
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,15 +77,18 @@ class PairLayout:
     pads: torch.Tensor  # the slots that hold no pair
     slot_offsets: torch.Tensor  # the kernel offset of every block, in slot order
     buckets: list[tuple[int, int]]  # (blocks, block length) per bucket, in slot order
-    bucket_slots: list[int]  # slots per bucket
-    bucket_blocks: list[int]  # blocks per bucket
     blocks: list[tuple[int, int]]  # (first slot, pairs) per kernel offset
     to_out: RowSum  # sums slots into the outputs
     to_in: RowSum  # sums slots into the inputs
+    bucket_slots: list[int] = field(init=False)  # for Tensor.split
+    bucket_blocks: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bucket_slots = [n * length for n, length in self.buckets]
+        self.bucket_blocks = [n for n, _ in self.buckets]
 
     def transposed(self) -> PairLayout:
-        return PairLayout(self.gather_out, self.gather_in, self.pads, self.slot_offsets, self.buckets,
-                          self.bucket_slots, self.bucket_blocks, self.blocks, self.to_in, self.to_out)
+        return replace(self, gather_in=self.gather_out, gather_out=self.gather_in, to_out=self.to_in, to_in=self.to_out)
 
 
 @dataclass
@@ -212,9 +215,8 @@ def _layout(plan: _BucketPlan, level: int, slots: torch.Tensor, in_idx: torch.Te
     groups = plan.buckets[level]
     slot_offsets = _index_tensor(tuple(k for ks, _ in groups for k in ks), device)
     blocks = list(zip(plan.first_slot[level], plan.counts[level]))
-    buckets = [(len(ks), length) for ks, length in groups]
-    return PairLayout(gather_in, gather_out, torch.nonzero(empty).squeeze(1), slot_offsets, buckets,
-                      [n * length for n, length in buckets], [n for n, _ in buckets], blocks, to_out, to_in)
+    return PairLayout(gather_in, gather_out, torch.nonzero(empty).squeeze(1), slot_offsets,
+                      [(len(ks), length) for ks, length in groups], blocks, to_out, to_in)
 
 
 def _maps_from_table(found: torch.Tensor, nbr: torch.Tensor, out_bounds: list[int], in_bounds: list[int],

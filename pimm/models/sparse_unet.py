@@ -36,7 +36,7 @@ class _ConvBNReLU(nn.Module):
         self.bn = nn.BatchNorm1d(cout)
 
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        return torch.relu(self.bn(self.conv(x, kmap)))
+        return self.bn(self.conv(x, kmap)).relu_()  # in place: BatchNorm keeps its input, not its output
 
 
 class ResBlock(nn.Module):
@@ -50,9 +50,8 @@ class ResBlock(nn.Module):
         self.bn2 = nn.BatchNorm1d(channels)
 
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x, kmap)))
-        y = self.bn2(self.conv2(y, kmap))
-        return torch.relu(y + x)
+        y = self.bn1(self.conv1(x, kmap)).relu_()
+        return self.bn2(self.conv2(y, kmap)).add_(x).relu_()
 
 
 @MODELS.register_module()
