@@ -1,25 +1,25 @@
-"""SparseUNet as it was before the fast kernels (commit 6be09b4), frozen for
+"""SparseUNet as it was before the fast kernels (commit 6be09b4), for
 ``bench/sparse_unet.py``.
 
-The benchmark must compare the new implementation with *today's* code on the
+The benchmark compares the new implementation with *today's* code on the
 same batches, so this file keeps the previous kernel maps (13 searchsorted
-neighbour queries per level) and the previous convolution (autograd through
-index_select / per-offset matmuls / cat / index_add). Parameter names match
-``pimm.models.SparseUNet`` exactly, so ``load_state_dict`` moves weights
-between the two. Only helpers that did not change are imported from pimm.
-Not registered in MODELS and not part of the package: benchmark material only.
+neighbour queries per level, a sort for the stride-2 maps) and the previous
+convolution (autograd through index_select, per-offset matmuls, cat and
+index_add) verbatim. The network around them is ``pimm.models.SparseUNet``'s
+(the same modules and parameter names, so ``load_state_dict`` moves weights
+between the two), with the block forwards of that commit. Benchmark
+material only: not registered in MODELS, not part of the package.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
-from torch import nn
 
-from pimm.models.point_ops import event_grid_coord, event_min, hash_keys, offset2batch, scatter_mean, voxelize
+from pimm.models.point_ops import hash_keys, scatter_mean, voxelize
+from pimm.models.sparse_conv import SparseConv
+from pimm.models.sparse_unet import ResBlock, SparseUNet, _ConvBNReLU
 
 __all__ = ["ReferenceSparseUNet"]
 
@@ -104,22 +104,7 @@ def downsample_kernel_map(
     return KernelMap(order, parent[order], counts, coarse.shape[0]), coarse, cbatch
 
 
-
-class SparseConv(nn.Module):
-    """Sparse convolution with one (C_in, C_out) weight per kernel offset.
-
-    ``out[o] = sum over pairs (i, o) of offset k of x[i] @ W[k]``; the
-    identity offset of a submanifold map is a dense matmul.
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_volume: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(kernel_volume, in_channels, out_channels))
-        # Kaiming-uniform over the full kernel fan-in; BatchNorm follows every
-        # convolution, so the sparse (smaller) effective fan-in does not matter.
-        bound = math.sqrt(6.0 / (kernel_volume * in_channels))
-        nn.init.uniform_(self.weight, -bound, bound)
-
+class _TodaySparseConv(SparseConv):
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
         # split/unbind rather than slicing: their backward is one concatenation,
         # where each slice's backward would allocate a full-size zero gradient.
@@ -136,107 +121,27 @@ class SparseConv(nn.Module):
         return out.index_add(0, kmap.out_idx, msgs)
 
 
-class _ConvBNReLU(nn.Module):
-    def __init__(self, cin: int, cout: int, kvol: int):
-        super().__init__()
-        self.conv = SparseConv(cin, cout, kvol)
-        self.bn = nn.BatchNorm1d(cout)
-
+class _TodayConvBNReLU(_ConvBNReLU):
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
         return torch.relu(self.bn(self.conv(x, kmap)))
 
 
-class ResBlock(nn.Module):
-    """Basic residual block: conv-BN-ReLU-conv-BN (+ skip) -ReLU, submanifold."""
-
-    def __init__(self, channels: int, kvol: int):
-        super().__init__()
-        self.conv1 = SparseConv(channels, channels, kvol)
-        self.bn1 = nn.BatchNorm1d(channels)
-        self.conv2 = SparseConv(channels, channels, kvol)
-        self.bn2 = nn.BatchNorm1d(channels)
-
+class _TodayResBlock(ResBlock):
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
         y = torch.relu(self.bn1(self.conv1(x, kmap)))
         y = self.bn2(self.conv2(y, kmap))
         return torch.relu(y + x)
 
 
-class ReferenceSparseUNet(nn.Module):
-    """Submanifold sparse-convolution U-Net over voxelised points.
+class ReferenceSparseUNet(SparseUNet):
+    """Today's SparseUNet; same arguments and defaults as ``SparseUNet``."""
 
-    Args:
-        in_channels: width of ``feat``.
-        grid_size: voxel edge in ``coord`` units (ignored when the batch holds
-            ``grid_coord``). Points sharing a voxel are merged (mean feature)
-            and get the same output feature.
-        channels: width of each resolution level, finest first; level ``i`` has
-            stride ``2**i``.
-        enc_blocks: residual blocks per encoder level.
-        dec_blocks: residual blocks per decoder level (levels 0..L-2).
-        kernel_size: submanifold kernel edge (odd).
-
-    The defaults are the configuration measured in ``docs/models.md`` (1.5 M
-    parameters, ~0.25 s per 4-event LArTPC training step on one CPU core).
-
-    ``forward(input_dict)`` returns (N, ``out_channels``) point features.
-    """
-
-    def __init__(
-        self,
-        in_channels: int,
-        grid_size: float = 1.0,
-        channels: Sequence[int] = (16, 32, 48, 64, 96),
-        enc_blocks: Sequence[int] = (1, 1, 1, 1, 1),
-        dec_blocks: Sequence[int] = (1, 1, 1, 1),
-        kernel_size: int = 3,
-    ):
-        super().__init__()
-        levels = len(channels)
-        if len(enc_blocks) != levels or len(dec_blocks) != levels - 1:
-            raise ValueError(
-                f"SparseUNet: enc_blocks needs {levels} entries and dec_blocks {levels - 1} "
-                f"(one per level of channels={tuple(channels)}), got {tuple(enc_blocks)} and {tuple(dec_blocks)}"
-            )
-        if kernel_size % 2 != 1 or kernel_size < 1:
-            raise ValueError(f"SparseUNet: kernel_size must be odd, got {kernel_size}")
-        if grid_size <= 0:
-            raise ValueError(f"SparseUNet: grid_size must be > 0, got {grid_size}")
-        self.grid_size = float(grid_size)
-        self.kernel_size = kernel_size
-        self.out_channels = channels[0]
-        kvol = kernel_size**3
-
-        self.stem = _ConvBNReLU(in_channels, channels[0], kvol)
-        self.enc = nn.ModuleList(
-            nn.ModuleList(ResBlock(channels[i], kvol) for _ in range(enc_blocks[i])) for i in range(levels)
-        )
-        self.down = nn.ModuleList(_ConvBNReLU(channels[i], channels[i + 1], 8) for i in range(levels - 1))
-        self.up = nn.ModuleList(_ConvBNReLU(channels[i + 1], channels[i], 8) for i in range(levels - 1))
-        # After concatenating the skip, a 1x1 projection back to the level width.
-        self.fuse = nn.ModuleList(
-            nn.Sequential(nn.Linear(2 * channels[i], channels[i], bias=False), nn.BatchNorm1d(channels[i]), nn.ReLU())
-            for i in range(levels - 1)
-        )
-        self.dec = nn.ModuleList(
-            nn.ModuleList(ResBlock(channels[i], kvol) for _ in range(dec_blocks[i])) for i in range(levels - 1)
-        )
-
-    def grid_coord(self, input_dict: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grid (N,3) long >= 0, batch (N,)) of the points of ``input_dict``."""
-        coord = input_dict["coord"]
-        batch = offset2batch(input_dict["offset"].to(coord.device))
-        if batch.shape[0] != coord.shape[0]:
-            raise ValueError(f"offset[-1]={batch.shape[0]} does not match {coord.shape[0]} points")
-        grid = input_dict.get("grid_coord")
-        if grid is None:
-            grid = event_grid_coord(coord, batch, self.grid_size)
-        else:
-            # Voxel hashing needs non-negative coordinates; shifting each event by
-            # its own minimum keeps events independent of their batch-mates.
-            grid = grid.long()
-            grid = grid - event_min(grid, batch)
-        return grid, batch
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        today = {SparseConv: _TodaySparseConv, _ConvBNReLU: _TodayConvBNReLU, ResBlock: _TodayResBlock}
+        for module in self.modules():
+            if type(module) in today:
+                module.__class__ = today[type(module)]
 
     def forward(self, input_dict: dict) -> torch.Tensor:
         grid, batch = self.grid_coord(input_dict)
