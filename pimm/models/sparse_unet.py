@@ -1,10 +1,12 @@
 """SparseUNet: a submanifold sparse-convolution U-Net in plain PyTorch.
 
 This is the architecture family that works best on LArTPC images (UResNet,
-MinkUNet), rebuilt without MinkowskiEngine/spconv: the sparse convolutions run
-on kernel maps found by binary search in a sorted voxel-hash table
-(:mod:`pimm.models.point_ops`), so it needs no compiled extension and is fast
-on a CPU. Why this design, and measured speed, are in ``docs/models.md``.
+MinkUNet), rebuilt without MinkowskiEngine/spconv: the kernel maps of all
+resolutions are built once per batch (:mod:`pimm.models.sparse_maps`) and the
+convolutions run on them as gather -> batched matmuls -> fused sum
+(:mod:`pimm.models.sparse_conv`), so it needs no compiled extension and is
+fast on a CPU. Why this design, and measured speed, are in
+``docs/models.md``.
 
 Pipeline: points -> voxels (mean features) -> stem -> encoder levels (residual
 submanifold 3^3 blocks, stride-2 convolution between levels) -> decoder
@@ -70,7 +72,7 @@ class SparseUNet(nn.Module):
         kernel_size: submanifold kernel edge (odd).
 
     The defaults are the configuration measured in ``docs/models.md`` (1.5 M
-    parameters, ~0.25 s per 4-event LArTPC training step on one CPU core).
+    parameters); ``bench/sparse_unet.py`` times it.
 
     ``forward(input_dict)`` returns (N, ``out_channels``) point features.
     """
