@@ -12,12 +12,8 @@ from pimm.models import instance as instance_mod  # noqa: F401  (registers the m
 from pimm.models import segmentors  # noqa: F401
 from pimm.models.instance import cluster_instances, instance_centroid_offsets
 from pimm.models.losses import LOSSES
-from pimm.models.point_ops import (
-    connected_components,
-    downsample_kernel_map,
-    submanifold_kernel_map,
-    voxelize,
-)
+from pimm.models.point_ops import connected_components, voxelize
+from pimm.models.sparse_maps import downsample_kernel_map, submanifold_kernel_map
 from pimm.utils.errors import ConfigError
 
 @pytest.fixture(autouse=True)
@@ -277,11 +273,12 @@ def test_submanifold_kernel_map_matches_brute_force():
     batch = torch.randint(0, 2, (80,), generator=g)
     vgrid, vbatch, _ = voxelize(grid, batch)
     kmap = submanifold_kernel_map(vgrid, vbatch, 3)
+    in_idx, out_idx = kmap.pairs
     found = set()
     start = 0
     offsets = list(itertools.product((-1, 0, 1), repeat=3))
     for k, count in enumerate(kmap.counts):
-        for i, o in zip(kmap.in_idx[start:start + count].tolist(), kmap.out_idx[start:start + count].tolist()):
+        for i, o in zip(in_idx[start:start + count].tolist(), out_idx[start:start + count].tolist()):
             assert (vgrid[i] - vgrid[o]).tolist() == list(offsets[k])
             found.add((i, o))
         start += count
@@ -297,6 +294,7 @@ def test_downsample_kernel_map_pools_each_voxel_once():
     kmap, coarse, cbatch = downsample_kernel_map(grid, batch, 2)
     assert coarse.tolist() == [[0, 0, 0], [1, 0, 0], [0, 0, 0]] and cbatch.tolist() == [0, 0, 1]
     parent = torch.empty(5, dtype=torch.long)
-    parent[kmap.in_idx] = kmap.out_idx
+    in_idx, out_idx = kmap.pairs
+    parent[in_idx] = out_idx
     assert parent.tolist() == [0, 0, 1, 1, 2]
     assert sum(kmap.counts) == 5 and kmap.counts[0] == 3  # child offset (0,0,0) thrice

@@ -1,10 +1,12 @@
 """SparseUNet: a submanifold sparse-convolution U-Net in plain PyTorch.
 
 This is the architecture family that works best on LArTPC images (UResNet,
-MinkUNet), rebuilt without MinkowskiEngine/spconv: the sparse convolutions run
-on kernel maps found by binary search in a sorted voxel-hash table
-(:mod:`pimm.models.point_ops`), so it needs no compiled extension and is fast
-on a CPU. Why this design, and measured speed, are in ``docs/models.md``.
+MinkUNet), rebuilt without MinkowskiEngine/spconv: the kernel maps of all
+resolutions are built once per batch (:mod:`pimm.models.sparse_maps`) and the
+convolutions run on them as gather -> batched matmuls -> fused sum
+(:mod:`pimm.models.sparse_conv`), so it needs no compiled extension and is
+fast on a CPU. Why this design, and measured speed, are in
+``docs/models.md``.
 
 Pipeline: points -> voxels (mean features) -> stem -> encoder levels (residual
 submanifold 3^3 blocks, stride-2 convolution between levels) -> decoder
@@ -14,7 +16,6 @@ the finest voxels copied back to their points.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -23,49 +24,11 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
-from .point_ops import (
-    KernelMap,
-    downsample_kernel_map,
-    event_grid_coord,
-    event_min,
-    offset2batch,
-    scatter_mean,
-    submanifold_kernel_map,
-    voxelize,
-)
+from .point_ops import event_grid_coord, event_min, offset2batch, scatter_mean, voxelize
+from .sparse_maps import KernelMap, kernel_map_pyramid
+from .sparse_conv import SparseConv
 
 __all__ = ["SparseConv", "SparseUNet"]
-
-
-class SparseConv(nn.Module):
-    """Sparse convolution with one (C_in, C_out) weight per kernel offset.
-
-    ``out[o] = sum over pairs (i, o) of offset k of x[i] @ W[k]``; the
-    identity offset of a submanifold map is a dense matmul.
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_volume: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(kernel_volume, in_channels, out_channels))
-        # Kaiming-uniform over the full kernel fan-in; BatchNorm follows every
-        # convolution, so the sparse (smaller) effective fan-in does not matter.
-        bound = math.sqrt(6.0 / (kernel_volume * in_channels))
-        nn.init.uniform_(self.weight, -bound, bound)
-
-    def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        # split/unbind rather than slicing: their backward is one concatenation,
-        # where each slice's backward would allocate a full-size zero gradient.
-        weights = self.weight.unbind(0)
-        if kmap.identity >= 0:
-            out = x @ weights[kmap.identity]
-        else:
-            out = x.new_zeros(kmap.num_out, self.weight.shape[2])
-        if kmap.in_idx.numel() == 0:
-            return out
-        # One gather for all offsets, one small matmul per offset, one scatter.
-        groups = x.index_select(0, kmap.in_idx).split(kmap.counts)
-        msgs = torch.cat([g @ w for g, w in zip(groups, weights) if g.shape[0]])
-        return out.index_add(0, kmap.out_idx, msgs)
 
 
 class _ConvBNReLU(nn.Module):
@@ -75,7 +38,7 @@ class _ConvBNReLU(nn.Module):
         self.bn = nn.BatchNorm1d(cout)
 
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        return torch.relu(self.bn(self.conv(x, kmap)))
+        return self.bn(self.conv(x, kmap)).relu_()  # in place: BatchNorm keeps its input, not its output
 
 
 class ResBlock(nn.Module):
@@ -89,9 +52,8 @@ class ResBlock(nn.Module):
         self.bn2 = nn.BatchNorm1d(channels)
 
     def forward(self, x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x, kmap)))
-        y = self.bn2(self.conv2(y, kmap))
-        return torch.relu(y + x)
+        y = self.bn1(self.conv1(x, kmap)).relu_()
+        return self.bn2(self.conv2(y, kmap)).add_(x).relu_()
 
 
 @MODELS.register_module()
@@ -110,7 +72,7 @@ class SparseUNet(nn.Module):
         kernel_size: submanifold kernel edge (odd).
 
     The defaults are the configuration measured in ``docs/models.md`` (1.5 M
-    parameters, ~0.25 s per 4-event LArTPC training step on one CPU core).
+    parameters); ``bench/sparse_unet.py`` times it.
 
     ``forward(input_dict)`` returns (N, ``out_channels``) point features.
     """
@@ -174,16 +136,10 @@ class SparseUNet(nn.Module):
     def forward(self, input_dict: dict) -> torch.Tensor:
         grid, batch = self.grid_coord(input_dict)
         vgrid, vbatch, inverse = voxelize(grid, batch)
-        x = scatter_mean(input_dict["feat"].float(), inverse, vgrid.shape[0])
+        x = scatter_mean(input_dict["feat"].to(self.stem.conv.weight.dtype), inverse, vgrid.shape[0])
 
         # Kernel maps of every level, built once and shared by all its blocks.
-        subm, down = [], []
-        g, b = vgrid, vbatch
-        for i in range(len(self.enc)):
-            subm.append(submanifold_kernel_map(g, b, self.kernel_size))
-            if i < len(self.down):
-                kmap, g, b = downsample_kernel_map(g, b, 2)
-                down.append(kmap)
+        subm, down = kernel_map_pyramid(vgrid, vbatch, len(self.enc), self.kernel_size)
 
         x = self.stem(x, subm[0])
         skips = []
@@ -194,8 +150,8 @@ class SparseUNet(nn.Module):
                 skips.append(x)
                 x = self.down[i](x, down[i])
         for i in reversed(range(len(self.up))):
-            x = self.up[i](x, down[i].transposed(skips[i].shape[0]))
+            x = self.up[i](x, down[i].transposed())
             x = self.fuse[i](torch.cat([x, skips[i]], dim=1))
             for blk in self.dec[i]:
                 x = blk(x, subm[i])
-        return x[inverse]
+        return x.index_select(0, inverse)
