@@ -18,7 +18,7 @@ hooks = [
     dict(type="ProgressBar"),
     dict(type="ClsEvaluator", num_classes=2, class_names=["electron", "muon"]),
     dict(type="EMAHook", decay=0.99),
-    dict(type="EarlyStopping", monitor="val/acc", patience=3, min_delta=0.002),
+    dict(type="EarlyStopping", monitor="val_ema/acc", patience=3, min_delta=0.002),
     dict(type="LiveControl", poll_every=10),
     dict(type="CheckpointSaver", keep_last=2),
 ]
