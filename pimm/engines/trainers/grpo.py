@@ -265,6 +265,8 @@ class GRPOTrainer(DefaultTrainer):
         self._loss_module = _PolicyLoss(model)
         if self.world_size == 1:
             return model
+        if self.parallel.fsdp:  # the loss module is the FSDP root: its forward gathers the policy
+            return super().wrap_model(self._loss_module)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(self._loss_module, device_ids=device_ids,
                                        find_unused_parameters=self.options["find_unused_parameters"])
@@ -279,7 +281,7 @@ class GRPOTrainer(DefaultTrainer):
         if self.sample_in_eval_mode:
             model.eval()
         try:
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(), self.full_parameters():
                 rollout = model.sample_grpo_batch(batch)
         finally:
             model.train(was_training)
