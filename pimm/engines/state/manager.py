@@ -395,6 +395,11 @@ class CheckpointManager:
             return {}
 
     # -- verifying and loading --------------------------------------------
+    def verify(self, path: Path) -> str:
+        """``"ok"`` when the checkpoint folder ``path`` is committed and every file
+        matches its manifest entry (size, CRC-32); else why it cannot be used."""
+        return self._verify(Path(path))
+
     def _verify(self, path: Path) -> str:
         """``"ok"``, or why the folder cannot be resumed from."""
         if not (path / MANIFEST).is_file():
