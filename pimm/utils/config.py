@@ -63,13 +63,9 @@ class Config(ConfigDict):
 
     def merge_from_options(self, tokens: Iterable[str] | None) -> None:
         """Apply ``--options`` tokens (``key=value``, ``+key=value``) in order.
-        All tokens are parsed before any is applied. Modules that the options
-        add to ``custom_imports`` are imported here, so their registrations
-        (hooks, models, ...) exist before anything is built."""
+        All tokens are parsed before any is applied; modules the options add
+        to ``custom_imports`` are imported before any registry type is checked."""
         merge_options(self, tokens)
-        if self.get(IMPORTS_KEY) is not None:
-            self[IMPORTS_KEY] = _as_names(self[IMPORTS_KEY], IMPORTS_KEY, "--options")
-            _import_modules(self[IMPORTS_KEY], "--options")
 
     @property
     def pretty_text(self) -> str:
