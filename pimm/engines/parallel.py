@@ -16,8 +16,9 @@ optimizer state over the ranks with PyTorch's FSDP2
   computed in, and the dtype gradients are reduced in.
 
 Everything FSDP-specific the engine needs lives here: validating the key,
-wrapping the model, the full (gathered) state dict that ``model/*.pth``
-files hold, and :func:`full_parameters`, under which every rank holds the
+wrapping the model, keeping buffers (BatchNorm statistics, which FSDP does
+not shard) equal to rank 0's as DDP does, the full (gathered) state dict
+that ``model/*.pth`` files hold, and :func:`full_parameters`, under which every rank holds the
 whole model (evaluation, where ranks run unequal numbers of forward passes,
 and GRPO rollouts, which call model methods other than ``forward``).
 """
@@ -33,7 +34,7 @@ from torch import nn
 from pimm.utils.errors import ConfigError
 
 __all__ = ["DEFAULT_PARALLEL", "ParallelConfig", "check_parallel", "parallel_config", "shard_model",
-           "is_sharded", "full_state_dict", "full_parameters"]
+           "sync_buffers", "is_sharded", "full_state_dict", "full_parameters"]
 
 DEFAULT_PARALLEL = dict(strategy="ddp", shard_modules=None, reshard_after_forward=True, mixed_precision=None)
 STRATEGIES = ("ddp", "fsdp")
@@ -126,10 +127,40 @@ def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, 
     for unit in [*reversed(units), model]:  # children before parents, the root last
         fully_shard(unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
         unit._pimm_reshard_after_forward = config.reshard_after_forward  # full_parameters() restores it
+    if any(True for _ in model.buffers()):
+        model.register_forward_pre_hook(_sync_buffers_before_training_forward)
     if logger is not None:
         logger.info(f"FSDP2: {type(model).__name__} sharded over {world_size} processes in {len(units) + 1} unit(s)"
                     f"{' (' + ', '.join(config.shard_modules) + ' and the root)' if units else ' (the root)'}")
     return model
+
+
+def sync_buffers(module: nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics, ...) to every rank
+    (a collective). FSDP shards parameters only; buffers stay per rank, so
+    they are made rank 0's before every training forward pass, as DDP does,
+    and before a checkpoint saves them (DCP saves one copy of a replicated
+    tensor, from whichever rank it picks)."""
+    import torch.distributed as dist
+
+    buffers = [b for b in module.buffers() if b.numel()]
+    if not buffers or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for group in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in group])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for buffer in group:
+            buffer.data.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
+
+
+def _sync_buffers_before_training_forward(module: nn.Module, args, kwargs=None):
+    if module.training and torch.is_grad_enabled():
+        sync_buffers(module)
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -98,6 +98,9 @@ class ShardedModelParticipant:
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        from pimm.engines.parallel import sync_buffers
+
+        sync_buffers(self.model)  # DCP saves one copy of each buffer, from any rank: make it rank 0's
         return get_model_state_dict(self.model)
 
     def restore_sharded(self, load: Callable[[dict], None], saved: dict[tuple, tuple | None], context) -> None:
