@@ -137,3 +137,54 @@ def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(runs):
     run.copy_from(runs["ddp"])
     run.train(FSDP, "resume=True", "epoch=4", expect=2)
     assert "parallel.strategy='ddp'" in run.output.read_text()
+
+
+# -- other trainers ----------------------------------------------------------------------------
+RINGS = ("epoch=2", "batch_size=32", "data.train.num_events=192", "data.val.num_events=64", "model.width=8",
+         "hooks.CheckpointSaver.save_freq=4", "+custom_imports=['tests.support.toy']")
+
+
+def _rings(save_path, *options: str, num_gpus: int = 2, expect: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs/rings/cls-cnn.py"),
+           "--num-gpus", str(num_gpus), "--options", FSDP, f"save_path={save_path}", *RINGS, *options]
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == expect, done.stderr[-3000:]
+    return done
+
+
+def test_image_class_trainer_with_batchnorm_resumes_bit_identically(tmp_path):
+    """The ring CNN (ImageClassTrainer, BatchNorm: buffers FSDP does not shard)
+    killed after step 9 and resumed gives the uninterrupted run's weights and
+    running statistics; the KillAtStep hook comes from a ``custom_imports``
+    module added on the command line."""
+    hooks = ("hooks=[{{'type': 'InformationWriter', 'log_frequency': 4}}, {{'type': 'ClsEvaluator', 'num_classes': 2}}, "
+             "{{'type': 'CheckpointSaver', 'save_freq': 4}}, {{'type': 'KillAtStep', 'step': {}}}]")
+    _rings(tmp_path / "ref", hooks.format(10**9))
+    _rings(tmp_path / "run", hooks.format(9), expect=1)
+    _rings(tmp_path / "run", hooks.format(10**9), "resume=True")
+    a, b = final_weights(tmp_path / "ref")["state_dict"], final_weights(tmp_path / "run")["state_dict"]
+    assert any("running_mean" in key for key in a)
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grpo_trainer_under_fsdp_trains_like_ddp(tmp_path):
+    """GRPOTrainer: the loss module is the FSDP root, rollouts run on gathered
+    parameters and the frozen reference policy stays whole on every rank."""
+    options = ("data.train.num_events=64", "data.val.num_events=32", "hooks.CheckpointSaver.save_freq=4")
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        save = tmp_path / strategy
+        cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file",
+               str(ROOT / "configs/grpo/tracks-grpo.py"), "--num-gpus", "2", "--options",
+               f"parallel.strategy={strategy}", f"save_path={save}", *options]
+        done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[strategy] = save
+    ddp, fsdp = train_losses(runs["ddp"]), train_losses(runs["fsdp"])
+    assert len(fsdp) == len(ddp) > 0
+    torch.testing.assert_close(torch.tensor([v for _, v in fsdp]), torch.tensor([v for _, v in ddp]), atol=1e-5,
+                               rtol=0)
+    a, b = final_weights(runs["fsdp"])["state_dict"], final_weights(runs["ddp"])["state_dict"]
+    assert list(a) == list(b) and any(key.startswith("reference.") for key in a)
+    for key in a:
+        torch.testing.assert_close(a[key].float(), b[key].float(), atol=1e-5, rtol=0, msg=key)

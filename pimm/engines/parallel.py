@@ -105,9 +105,12 @@ def parallel_config(cfg) -> ParallelConfig:
 
 
 def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, world_size: int,
-                logger=None) -> nn.Module:
+                logger=None, keep_frozen_whole: bool = False) -> nn.Module:
     """``fully_shard`` the submodules of the classes in ``config.shard_modules``
-    (innermost first), then the root; in place (the returned module is ``model``)."""
+    (innermost first), then the root; in place (the returned module is ``model``).
+    ``keep_frozen_whole``: parameters that need no gradient stay whole on every
+    rank (a frozen copy the model writes to itself, like GRPO's reference policy:
+    a write to gathered parameters would be lost at the next reshard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -124,8 +127,10 @@ def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, 
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
         reduce_dtype=getattr(torch, config.reduce_dtype) if config.reduce_dtype else None)
+    ignored = {p for p in model.parameters() if not p.requires_grad} if keep_frozen_whole else None
     for unit in [*reversed(units), model]:  # children before parents, the root last
-        fully_shard(unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy,
+                    ignored_params=ignored or None)
         unit._pimm_reshard_after_forward = config.reshard_after_forward  # full_parameters() restores it
     if any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_sync_buffers_before_training_forward)
