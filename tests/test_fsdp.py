@@ -188,3 +188,25 @@ def test_grpo_trainer_under_fsdp_trains_like_ddp(tmp_path):
     assert list(a) == list(b) and any(key.startswith("reference.") for key in a)
     for key in a:
         torch.testing.assert_close(a[key].float(), b[key].float(), atol=1e-5, rtol=0, msg=key)
+
+
+def test_units_per_module_class_accumulation_and_clipping_behave_as_under_ddp(tmp_path):
+    """Each Linear its own FSDP unit, gathered parameters kept through backward,
+    two micro-batches per step (no reduction on the first) and clipping: the
+    same training as DDP with the same options."""
+    common = ("batch_size=8", "grad_accum_steps=2", "clip_grad=0.5", "epoch=1")
+    ddp = Run(tmp_path, "ddp-accum")
+    ddp.train(*common, num_gpus=2)
+    fsdp = Run(tmp_path, "fsdp-accum")
+    fsdp.train(FSDP, "parallel.shard_modules=['Linear']", "parallel.reshard_after_forward=False", *common, num_gpus=2)
+    assert "sharded over 2 processes in 3 unit(s) (Linear and the root)" in fsdp.log()
+    a, b = train_losses(fsdp.save), train_losses(ddp.save)
+    assert [s for s, _ in a] == [s for s, _ in b] and a[-1][0] == 10
+    torch.testing.assert_close(torch.tensor([v for _, v in a]), torch.tensor([v for _, v in b]), atol=1e-5, rtol=0)
+    norms = [r["train/grad_norm"] for r in fsdp.records() if "train/grad_norm" in r]
+    ddp_norms = [r["train/grad_norm"] for r in ddp.records() if "train/grad_norm" in r]
+    assert len(norms) == len(ddp_norms) > 0  # the global norm over the shards, as DDP's over whole gradients
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ddp_norms), atol=1e-5, rtol=1e-5)
+    wa, wb = final_weights(fsdp.save)["state_dict"], final_weights(ddp.save)["state_dict"]
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], atol=1e-5, rtol=0, msg=key)
