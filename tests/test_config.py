@@ -226,6 +226,23 @@ def test_custom_imports_accumulate_across_bases(tmp_path, user_module):
     assert one in sys.modules and two in sys.modules
 
 
+def test_custom_imports_given_with_options_are_imported_before_hooks_are_built(tmp_path, user_module):
+    name = user_module("pimm_test_option_hooks", """
+        from pimm.engines import HOOKS, HookBase
+        @HOOKS.register_module(force=True)
+        class HookFromAnOptionImport(HookBase):
+            pass
+    """)
+    from pimm.engines.hooks.base import build_hooks
+
+    cfg = Config.fromfile(write(tmp_path / "c.py", "hooks = []\n"))
+    cfg.merge_from_options([f"+custom_imports=[{name!r}]", "hooks=[{'type': 'HookFromAnOptionImport'}]"])
+    assert cfg.custom_imports == [name]
+    assert [type(h).__name__ for h in build_hooks(cfg.hooks)] == ["HookFromAnOptionImport"]
+    with pytest.raises(ConfigError, match="custom_imports.*'no_such_pimm_module_xyz'"):
+        cfg.merge_from_options(["custom_imports=['no_such_pimm_module_xyz']"])
+
+
 def test_custom_imports_missing_module_is_config_error(tmp_path):
     with pytest.raises(ConfigError, match="custom_imports.*'no_such_pimm_module_xyz'"):
         Config.fromfile(write(tmp_path / "c.py", "custom_imports = ['no_such_pimm_module_xyz']\n"))

@@ -100,7 +100,7 @@ def test_the_cli_reference_lists_every_option_of_the_real_parsers():
         for flag in action.option_strings if action.dest != "help" else ():
             assert f"`{flag}" in text or f", {flag}" in text, f"docs/cli.md lacks {flag}"
     for command in ("pimm trace summarize", "pimm trace export", "pimm plot", "pimm submit",
-                    "tools/train.py", "tools/test.py", "tools/export_pilarnet.py"):
+                    "tools/train.py", "tools/test.py", "tools/convert_checkpoint.py", "tools/export_pilarnet.py"):
         assert f"`{command}`" in text
     from pimm.engines.runtime import RUNTIME_KEYS
 

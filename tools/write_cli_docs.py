@@ -55,6 +55,13 @@ def _export_pilarnet():
     module.parse_args([])
 
 
+def _convert_checkpoint():
+    spec = importlib.util.spec_from_file_location("_convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([])
+
+
 def _pimm(*argv: str):
     from pimm.cli import main
 
@@ -180,6 +187,9 @@ INTROS = {
     "submit": "Submit a training run to SLURM through submitit, requeued on pre-emption and time-out "
               "([Distributed](distributed.md#slurm-pimm-submit)). Needs the `slurm` extra "
               "(`pip install -e \".[slurm]\"`).",
+    "convert": "Write the model weights of a checkpoint to one file in the format of `model/model_last.pth`: "
+               "a sharded checkpoint of an FSDP run (any number of processes) is read in this one process, "
+               "without a process group ([Distributed](distributed.md#one-file-from-a-sharded-checkpoint)).",
     "export": "Export synthetic LArTPC events to PILArNet-M style HDF5 files ([Data](pilarnet.md)).",
 }
 
@@ -199,6 +209,7 @@ def render_cli_reference() -> str:
               "## `pimm test`", "", "The arguments of [`tools/test.py`](#toolstestpy).", ""]
     for name in ("trace", "plot", "submit"):
         lines += _command(f"pimm {name}", captured_parser(_pimm(name)), INTROS[name])
+    lines += _command("tools/convert_checkpoint.py", captured_parser(_convert_checkpoint), INTROS["convert"])
     lines += _command("tools/export_pilarnet.py", captured_parser(_export_pilarnet), INTROS["export"])
     lines += ["## Runtime keys", "",
               "`--options KEY=VALUE` sets any config key ([Configs](config.md#command-line-overrides---options)); "

@@ -90,6 +90,8 @@ class OptimStep:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
         elif self.track_grad_norm:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):  # FSDP: a norm over sharded gradients
+            grad_norm = grad_norm.full_tensor()
         if scaler is not None:
             scale = scaler.get_scale()
             scaler.step(self.optimizer)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.utils.errors import ConfigError
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
@@ -213,6 +214,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("empty_cache_per_epoch", False, _bool, "torch.cuda.empty_cache() after every epoch (CUDA)"),
     RuntimeKey("sync_bn", False, _bool, "BatchNorm -> SyncBatchNorm when distributed on CUDA"),
     RuntimeKey("find_unused_parameters", False, _bool, "passed to DDP (also a train option)"),
+    RuntimeKey("parallel", DEFAULT_PARALLEL, check_parallel,
+               "strategy 'ddp' (replicas) or 'fsdp' (FSDP2 sharding; options in docs/distributed.md)"),
     RuntimeKey("prefetch_factor", None, _int(1, allow_none=True),
                "batches each data worker loads ahead (None: torch's default, 2)"),
     RuntimeKey("structured_logging", dict(enabled=False, trace_hooks=False, batch_stats_every=1,

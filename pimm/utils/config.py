@@ -63,7 +63,8 @@ class Config(ConfigDict):
 
     def merge_from_options(self, tokens: Iterable[str] | None) -> None:
         """Apply ``--options`` tokens (``key=value``, ``+key=value``) in order.
-        All tokens are parsed before any is applied."""
+        All tokens are parsed before any is applied; modules the options add
+        to ``custom_imports`` are imported before any registry type is checked."""
         merge_options(self, tokens)
 
     @property

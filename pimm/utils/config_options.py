@@ -188,6 +188,7 @@ def merge_options(cfg: dict, tokens: Iterable[str] | None) -> None:
         for path in apply_option(cfg, key, value, is_new):
             if not is_new:
                 changed.append((key, path.rpartition(".")[0] if path.endswith(".type") else path))
+    import_custom_modules(cfg)  # a type registered by a module the options add must be known below
     for key, within in changed:
         try:
             check_registry_dicts(cfg, within, context=f"--options {key}: ")
@@ -196,3 +197,13 @@ def merge_options(cfg: dict, tokens: Iterable[str] | None) -> None:
                 # Keys of the old type stay when only ``type`` changes.
                 err.args = (f"{err}; to switch type, give the whole dict: {within}=\"{{'type': ..., ...}}\"",)
             raise
+
+
+def import_custom_modules(cfg: dict) -> None:
+    """Import the modules of ``cfg["custom_imports"]`` (those an option added
+    included), so the classes they register exist before types are checked."""
+    from .config import IMPORTS_KEY, _as_names, _import_modules
+
+    if cfg.get(IMPORTS_KEY) is not None:
+        cfg[IMPORTS_KEY] = _as_names(cfg[IMPORTS_KEY], IMPORTS_KEY, "--options")
+        _import_modules(cfg[IMPORTS_KEY], "--options")

@@ -92,7 +92,9 @@ class NaNGuard(HookBase):
         grads = self._gradients()
         if grads:
             # The max-abs norm is NaN/inf exactly when an element is, and cannot overflow.
-            flags.append(~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))))
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: sharded gradients
+            flags.append(~torch.isfinite(norm))
         if not flags:
             return False
         bad = torch.stack([f.to(flags[0].device) for f in flags]).any().float().reshape(1)

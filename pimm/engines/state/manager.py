@@ -7,6 +7,8 @@ Layout of ``save_path/checkpoints``::
         common.pth                rank 0: model, optimizer, scheduler, scaler,
                                   train state, writer, config
         rank00000.pth ...         per rank: RNG streams, loader position, hooks
+        sharded/                  under FSDP only: model and optimizer shards
+                                  (Distributed Checkpoint: __<rank>_<n>.distcp, .metadata)
         COMMITTED                 JSON manifest (sizes, CRC-32s), written last
     .tmp-step000000140-epoch0003/ a save in progress (never resumed from)
 
@@ -31,6 +33,10 @@ crash during the background write leaves the previous checkpoints as they were.
 
 Every rank calls every participant's ``state_dict()`` (gathering a sharded
 state is a collective); rank 0 writes the shared states, every rank its own.
+Participants registered with ``scope="sharded"`` (FSDP's model and optimizer,
+:mod:`pimm.engines.state.sharded`) are written by every rank through
+Distributed Checkpoint, on the training thread (DCP's save is a collective),
+before the rest; their files are checksummed into the same manifest.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from typing import Any
 
 import torch
 
+from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
+from pimm.utils.errors import CheckpointError
 
 __all__ = ["CheckpointManager", "Retention", "atomic_torch_save", "LoadedCheckpoint", "checkpoint_name"]
 
@@ -206,18 +214,20 @@ class CheckpointManager:
         self.tracer = None  # records the background write as a span on its own thread
         self._shared: dict[str, Any] = {}
         self._per_rank: dict[str, Any] = {}
+        self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
-        if scope not in ("shared", "rank"):
-            raise ValueError(f"scope must be 'shared' or 'rank', got {scope!r}")
-        if name in self._shared or name in self._per_rank:
+        scopes = {"shared": self._shared, "rank": self._per_rank, "sharded": self._sharded}
+        if scope not in scopes:
+            raise ValueError(f"scope must be 'shared', 'rank' or 'sharded', got {scope!r}")
+        if name in self.participants():
             raise ValueError(f"checkpoint participant {name!r} is registered twice")
-        (self._shared if scope == "shared" else self._per_rank)[name] = participant
+        scopes[scope][name] = participant
 
     def participants(self) -> dict[str, Any]:
-        return {**self._shared, **self._per_rank}
+        return {**self._sharded, **self._shared, **self._per_rank}
 
     @staticmethod
     def _collect(participants: dict[str, Any]) -> dict:
@@ -261,6 +271,7 @@ class CheckpointManager:
         start = time.perf_counter()
         # On every rank: gathering may be a collective (sharded states).
         shared = self._collect(self._shared)  # on every rank: gathering may be a collective
+        sharded = self._collect(self._sharded)
         shared = _frozen(shared) if rank == 0 else None
         per_rank = _frozen(self._collect(self._per_rank))
         existing = comm.broadcast_object(self._verify(final) if rank == 0 and final.exists() else None)
@@ -275,10 +286,15 @@ class CheckpointManager:
             if tmp.exists():  # left by a save that was killed: partial by definition
                 shutil.rmtree(tmp)
             tmp.mkdir()
+            if sharded:
+                (tmp / SHARDED_DIR).mkdir()
         comm.synchronize()
+        if sharded:
+            save_sharded(sharded, tmp / SHARDED_DIR)  # every rank its shards (a collective)
+            del sharded
         self.last_blocking_s = time.perf_counter() - start
         manifest = {"global_step": global_step, "epoch": epoch, "world_size": comm.get_world_size(),
-                    **(extra_manifest or {})}
+                    **({"sharded": list(self._sharded)} if self._sharded else {}), **(extra_manifest or {})}
         after = tuple((_frozen(obj), path) for obj, path in after_commit) if rank == 0 else ()
         job = (tmp, final, rank, shared, per_rank, manifest, after, start)
         if self.async_write:
@@ -309,8 +325,10 @@ class CheckpointManager:
         shared state, waits for every rank's marker and commits. No collective
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
-        entry = _save_synced(per_rank, tmp / rank_file)
-        _write_json_synced({rank_file: entry}, tmp / f"{rank_file}.done")
+        entries = {rank_file: _save_synced(per_rank, tmp / rank_file)}
+        if "sharded" in manifest:
+            entries.update(_entries(tmp, own_shard_files(tmp / SHARDED_DIR, rank)))
+        _write_json_synced(entries, tmp / f"{rank_file}.done")
         if rank != 0:
             return
         files = {COMMON: _save_synced(shared, tmp / COMMON)}
@@ -325,6 +343,9 @@ class CheckpointManager:
                 time.sleep(0.005)
             files.update(json.loads(marker.read_text()))
             marker.unlink()
+        if "sharded" in manifest:  # DCP's .metadata, and any shard file no rank claimed
+            files.update(_entries(tmp, [p for p in sorted((tmp / SHARDED_DIR).rglob("*"))
+                                        if p.is_file() and p.relative_to(tmp).as_posix() not in files]))
         _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
         _fsync_dir(tmp)
         os.replace(tmp, final)
@@ -374,6 +395,11 @@ class CheckpointManager:
             return {}
 
     # -- verifying and loading --------------------------------------------
+    def verify(self, path: Path) -> str:
+        """``"ok"`` when the checkpoint folder ``path`` is committed and every file
+        matches its manifest entry (size, CRC-32); else why it cannot be used."""
+        return self._verify(Path(path))
+
     def _verify(self, path: Path) -> str:
         """``"ok"``, or why the folder cannot be resumed from."""
         if not (path / MANIFEST).is_file():
@@ -424,7 +450,22 @@ class CheckpointManager:
         with a ``restore(state, context)`` method gets that call instead of
         ``load_state_dict`` (it adapts to a changed layout); per-rank states are
         skipped when ``skip_rank_states`` (another world size), and such a
-        participant then gets ``restore(None, context)``."""
+        participant then gets ``restore(None, context)``. Sharded participants
+        come first and read their part of ``sharded/`` (a collective)."""
+        saved_sharded = loaded.manifest.get("sharded", [])
+        if self._sharded:
+            if not saved_sharded:
+                raise CheckpointError(
+                    f"checkpoint {loaded.path.name} was written by a run with parallel.strategy='ddp' (whole-model "
+                    "state); resume it with parallel.strategy='ddp'")
+            folder = loaded.path / SHARDED_DIR
+            structure = saved_structure(folder)
+            for name, participant in self._sharded.items():
+                participant.restore_sharded(sharded_loader(folder, name), structure.get(name, {}), context)
+        elif saved_sharded and any(name in self._shared for name in saved_sharded):
+            raise CheckpointError(
+                f"checkpoint {loaded.path.name} was written by a run with parallel.strategy='fsdp' (sharded state); "
+                "resume it with parallel.strategy='fsdp' (any number of processes)")
         for name, participant in self._shared.items():
             if name in loaded.common:
                 _restore_one(participant, loaded.common[name], context)
@@ -432,6 +473,12 @@ class CheckpointManager:
             state = None if skip_rank_states or loaded.rank_state is None else loaded.rank_state.get(name)
             if state is not None or hasattr(participant, "restore"):
                 _restore_one(participant, state, context)
+
+
+def _entries(root: Path, paths: list[Path]) -> dict:
+    """Manifest entries (size, CRC-32) of files already on disk, keyed by their path under ``root``."""
+    return {path.relative_to(root).as_posix(): {"size": path.stat().st_size, "crc32": _file_crc32(path)}
+            for path in paths}
 
 
 def _restore_one(participant: Any, state: Any, context: Any) -> None:

@@ -17,7 +17,7 @@ from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
 from pimm.utils.errors import CheckpointError
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["ModelParticipant", "OptimizerParticipant", "SchedulerParticipant", "TrainStateParticipant",
+__all__ = ["apply_configured_groups", "ModelParticipant", "OptimizerParticipant", "SchedulerParticipant", "TrainStateParticipant",
            "RNGParticipant", "HooksParticipant", "MetaParticipant", "LoaderParticipant"]
 
 
@@ -76,12 +76,19 @@ class OptimizerParticipant:
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"checkpoint {context.path.name}: the optimizer state does not fit "
                                   f"({err}); resume with the original model and optimizer config") from None
-        for index, (group, values, saved) in enumerate(zip(self.optimizer.param_groups, configured, saved_groups)):
-            for key, value in values.items():
-                if key not in self.unreported and saved.get(key) != value:
-                    what = "lr" if key == "initial_lr" else key
-                    context.config_wins(f"optimizer group {group.get('name', index)} {what}", saved.get(key), value)
-                group[key] = value
+        apply_configured_groups(self.optimizer, configured, saved_groups, self.unreported, context)
+
+
+def apply_configured_groups(optimizer, configured: list[dict], saved_groups: list[dict], unreported: set,
+                            context) -> None:
+    """Put the config's param-group values back after a load, listing each one
+    that differs from the checkpoint's (except ``unreported`` keys)."""
+    for index, (group, values, saved) in enumerate(zip(optimizer.param_groups, configured, saved_groups)):
+        for key, value in values.items():
+            if key not in unreported and saved.get(key) != value:
+                what = "lr" if key == "initial_lr" else key
+                context.config_wins(f"optimizer group {group.get('name', index)} {what}", saved.get(key), value)
+            group[key] = value
 
 
 class SchedulerParticipant:

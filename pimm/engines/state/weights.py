@@ -89,7 +89,12 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
             f"weight={str(path)!r} shares no parameter with {name} (file keys look like {list(renamed)[:3]}, "
             f"model keys like {list(own)[:3]}); set key_map on CheckpointLoader to rename prefixes"
         )
-    model.load_state_dict(usable, strict=False)
+    if any(hasattr(v, "full_tensor") for v in own.values()):  # FSDP: each rank keeps its shard of the file's tensors
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, usable, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(usable, strict=False)
     if logger is not None and comm.is_main_process():
         logger.info(f"Loaded {len(usable)}/{len(own)} model tensors from {path}")
         if missing:

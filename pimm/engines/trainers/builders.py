@@ -16,6 +16,7 @@ from torch.utils.data import IterableDataset, default_collate
 from pimm.engines import data as data_lib
 from pimm.engines.grad_checkpoint import apply_gradient_checkpointing
 from pimm.engines.optim import build_optimizer
+from pimm.engines.parallel import shard_model
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
 from pimm.engines.scheduler import build_scheduler
 from pimm.engines.writers import MetricsWriter
@@ -43,9 +44,12 @@ class ComponentBuilders:
         return model
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module the loss is computed through: DDP when distributed."""
+        """The module the loss is computed through: DDP when distributed, or the
+        model itself sharded in place under ``parallel.strategy='fsdp'``."""
         if self.world_size == 1:
             return model
+        if self.parallel.fsdp:
+            return shard_model(model, self.parallel, self.device, self.world_size, self.logger)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
             self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))

@@ -23,6 +23,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
 from pimm.engines.optim_step import OptimStep
+from pimm.engines.parallel import full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.runtime import apply_process_settings, validate_runtime
@@ -31,6 +32,7 @@ from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
                                              TrainStateParticipant)
 from pimm.engines.state.restore import flatten_config
+from pimm.engines.state.sharded import ShardedModelParticipant, ShardedOptimizerParticipant
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.engines.trainers.evaluation import Evaluation
@@ -79,6 +81,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             raise ConfigError(f"train.stop_check_every={stop_check_every!r} must be a positive integer")
         self.cfg = cfg
         self.mode = mode
+        self.parallel = parallel_config(cfg)
         apply_process_settings(cfg)
         if cfg.empty_cache or cfg.empty_cache_per_epoch:
             hooks = [*hooks, EmptyCache(per_step=cfg.empty_cache, per_epoch=cfg.empty_cache_per_epoch)]
@@ -111,7 +114,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 self._check_eval_split("test")
             return
 
-        self.track("model", ModelParticipant(self.model_without_ddp))
+        if not self.parallel.fsdp:
+            self.track("model", ModelParticipant(self.model_without_ddp))
+        elif self.world_size == 1:
+            self.logger.info("parallel.strategy='fsdp' with one process: the model is not sharded; checkpoints "
+                             "keep the sharded (Distributed Checkpoint) format")
         self.model = self.wrap_model(self.model_without_ddp)
         self._checkpoint_interval = min(
             [h.checkpoint_interval for h in hooks if getattr(h, "checkpoint_interval", None)] or [0]
@@ -127,7 +134,12 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             self.optimizer = self.build_optimizer()
             self.scheduler = self.build_scheduler()
             self.scaler = self.build_scaler()
-        self.track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
+        if self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
+            self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
+            self.track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
+                                                                self._scheduled_group_keys()), scope="sharded")
+        else:
+            self.track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
         self.track("scheduler", SchedulerParticipant(self.scheduler))
         self.track("scaler", self.scaler)
         self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
@@ -234,10 +246,20 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self._model_files.append((name, self.model_file_payload(model)))
 
     def model_file_payload(self, model: torch.nn.Module | None = None, **fields) -> dict:
-        """The content of a ``model/*.pth`` file (collective-safe: every rank gathers the state dict)."""
+        """The content of a ``model/*.pth`` file (collective-safe: every rank gathers the
+        state dict; a sharded model's is gathered whole, kept by rank 0 only)."""
         model = self.model_without_ddp if model is None else model
-        return {"state_dict": model.state_dict(), "epoch": self.train_state.epoch, "global_step": self.global_step,
-                **fields}
+        state = full_state_dict(model, keep=comm.is_main_process()) if is_sharded(model) else model.state_dict()
+        return {"state_dict": state, "epoch": self.train_state.epoch, "global_step": self.global_step, **fields}
+
+    def full_parameters(self, model: torch.nn.Module | None = None):
+        """Context in which ``model`` (default: the trained one) holds its whole
+        parameters on every rank: under FSDP each unit is gathered once (a
+        collective), so any number of forward passes or other method calls run
+        without collectives (evaluation, rollouts). A no-op otherwise."""
+        if model is None or model is self.model_without_ddp or model is self.model:
+            return full_parameters(self.model)
+        return full_parameters(model)
 
     def save_model_file(self, name: str, model: torch.nn.Module | None = None, **fields) -> None:
         """``model/<name>`` now: plain weights for inference and warm starts (every rank

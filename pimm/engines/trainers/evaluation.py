@@ -55,8 +55,9 @@ class Evaluation:
         metrics, reports = {}, []
         shown = {}
         for evaluator in evaluators:
-            raw = evaluator.evaluate(self.val_loader, model, images=evaluator.log_images if self.writer.logs_images
-                                     else 0)
+            with self.full_parameters(model):  # ranks may run unequal numbers of batches
+                raw = evaluator.evaluate(self.val_loader, model,
+                                         images=evaluator.log_images if self.writer.logs_images else 0)
             evaluator.last_step = self.global_step
             shown.update({f"{prefix}_events/{type(evaluator).__name__}/{i}": image
                           for i, image in enumerate(evaluator.images)})
@@ -106,7 +107,8 @@ class Evaluation:
             load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
         results = {}
         for evaluator in evaluators:
-            metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
+            with self.full_parameters():
+                metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
             results[type(evaluator).__name__] = metrics
             summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
             self.logger.info(f"Test {type(evaluator).__name__}: {summary}")

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pimm.engines.metrics import reduce_op_by_suffix
+from pimm.engines.parallel import shard_model
 from pimm.engines.registries import TRAINERS
 from pimm.engines.state.participants import LoaderParticipant
 from pimm.engines.trainers.default import DefaultTrainer
@@ -265,6 +266,9 @@ class GRPOTrainer(DefaultTrainer):
         self._loss_module = _PolicyLoss(model)
         if self.world_size == 1:
             return model
+        if self.parallel.fsdp:  # the loss module is the FSDP root: its forward gathers the policy
+            return shard_model(self._loss_module, self.parallel, self.device, self.world_size, self.logger,
+                               keep_frozen_whole=True)  # the frozen reference policy is written at the first rollout
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(self._loss_module, device_ids=device_ids,
                                        find_unused_parameters=self.options["find_unused_parameters"])
@@ -279,7 +283,7 @@ class GRPOTrainer(DefaultTrainer):
         if self.sample_in_eval_mode:
             model.eval()
         try:
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(), self.full_parameters():
                 rollout = model.sample_grpo_batch(batch)
         finally:
             model.train(was_training)

@@ -34,9 +34,14 @@ class FrozenReference(nn.Module):
 
     @torch.no_grad()
     def ensure(self, policy: nn.Module) -> None:
-        """Copy ``policy``'s weights the first time only."""
+        """Copy ``policy``'s weights the first time only. Copied tensor by tensor,
+        not through ``state_dict()``: under FSDP that call would put the sharded
+        parameters back in the middle of a rollout that runs on gathered ones."""
         if not bool(self.taken):
-            self.network.load_state_dict(policy.state_dict())
+            source = {**dict(policy.named_buffers()), **dict(policy.named_parameters())}
+            for name, tensor in {**dict(self.network.named_buffers()),
+                                 **dict(self.network.named_parameters())}.items():
+                tensor.copy_(source[name])
             self.taken.fill_(True)
 
     def train(self, mode: bool = True) -> "FrozenReference":

@@ -1,0 +1,52 @@
+"""Convert a checkpoint to one plain weight file:
+``python tools/convert_checkpoint.py CKPT_DIR OUT.pth [--overwrite]``.
+
+``CKPT_DIR`` is a checkpoint folder (``save_path/checkpoints/step...-epoch...``),
+or a run's ``checkpoints/`` folder or ``save_path`` (then its newest intact
+checkpoint). A sharded checkpoint of an FSDP run (any number of processes)
+is read in this one process, without a process group; the output has the
+format of ``model/model_last.pth`` and loads with ``torch.load(OUT,
+weights_only=True)``. An existing ``OUT`` is replaced only with
+``--overwrite``. Bad arguments print one ``error: ...`` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pimm.utils.errors import EXIT_USAGE, UserError  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every pimm CLI
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise UserError(f"{message} (usage: {usage})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = _Parser(prog="tools/convert_checkpoint.py",
+                         description="Write the model weights of a (sharded or whole) checkpoint to one file.")
+        parser.add_argument("checkpoint", metavar="CKPT_DIR",
+                            help="a checkpoint folder, a checkpoints/ folder or a save_path (then its newest checkpoint)")
+        parser.add_argument("out", metavar="OUT.pth", help="the file to write (the format of model/model_last.pth)")
+        parser.add_argument("--overwrite", action="store_true", help="replace OUT.pth if it exists")
+        args = parser.parse_args(argv)
+        from pimm.engines.state.convert import convert_checkpoint
+
+        checkpoint, out = convert_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {out} (the model weights of {checkpoint})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
