@@ -124,7 +124,7 @@ class ClusterRadiusPolicy(PointGroupLite):
         grpo: options of :class:`~pimm.models.grpo.objective.GRPOObjective`.
     """
 
-    def __init__(self, radius_scales: Sequence[float] = (0.5, 0.7, 1.0, 1.4, 2.0),
+    def __init__(self, radius_scales: Sequence[float] = (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0),
                  radius_kinds: Sequence[str] = RADIUS_KINDS, num_generations: int = 8, hidden: int = 64,
                  keep_bias: float = 1.0, use_event_features: bool = True, grpo: dict | None = None, **segmentor):
         super().__init__(**segmentor)
