@@ -31,7 +31,7 @@ model = dict(
     grpo=dict(epsilon=0.2, epsilon_high=0.28, beta=0.02, scale_rewards="group", loss_type="dapo"),
 )
 optimizer = dict(_delete_=True, type="Adam", lr=2e-3)
-scheduler = dict(_delete_=True, type="CosineWarmupLR", warmup_steps=20)
+scheduler = dict(_delete_=True, type="CosineWarmupLR", warmup_ratio=0.05)  # 20 of the 400 steps
 
 data = dict(train=dict(num_events=1600))  # 200 rollouts x 2 updates = 400 steps
 
