@@ -20,7 +20,7 @@ from pimm.engines.registries import DATASETS, HOOKS, MODELS
 from pimm.engines.trainers.grpo import _global_totals, split_rollout
 from pimm.evaluation.metrics import adjusted_rand_index
 from pimm.models.instance import cluster_instances
-from pimm.utils.errors import ConfigError
+from pimm.utils.errors import ConfigError, UserError
 from tests.support.run import ROOT, final_weights, run_tool, train_losses
 
 TRANSFORM = [dict(type="LogTransform", key="energy"), dict(type="ToTensor"),
@@ -32,7 +32,7 @@ SEGMENTOR = dict(num_classes=5, stuff_classes=(4,), offset_scale=50.0,
 
 def _policy(**options):
     torch.manual_seed(0)
-    return MODELS.build(dict(type="ClusterRadiusPolicy", **SEGMENTOR, **options))
+    return MODELS.build(dict(type="ClusterRadiusPolicy", **{"require_weights": False, **SEGMENTOR, **options}))
 
 
 def _events(count=3, seed=0):
@@ -65,6 +65,18 @@ def test_a_supervised_checkpoint_loads_and_the_initial_greedy_policy_is_the_supe
     assert torch.equal(out["instance_pred"], out["instance_pred_supervised"])
     assert torch.equal(out["instance_pred_supervised"], supervised(batch)["instance_pred"])
     assert torch.equal(out["merge_scale"], torch.ones(3, 5)) and torch.equal(out["agree_scale"], torch.ones(3, 5))
+
+
+def test_rollouts_need_trained_weights_in_the_network(batch):
+    model = _policy(require_weights=True).eval()
+    with pytest.raises(UserError, match="weight=PATH"):
+        model.sample_grpo_batch(batch)
+    network_only = {k: v for k, v in model.state_dict().items() if not k.startswith("policy.")}
+    model.load_state_dict({k: v for k, v in network_only.items() if not k.startswith("offset_head.")}, strict=False)
+    with pytest.raises(UserError):  # a partly loaded network is not the supervised model
+        model.sample_grpo_batch(batch)
+    model.load_state_dict(network_only, strict=False)
+    assert model.sample_grpo_batch(batch)["trajectories"]["rewards"].shape == (3 * 8,)
 
 
 def test_per_event_radii_cluster_each_event_as_alone(batch):
@@ -196,7 +208,12 @@ def _run(tmp_path: Path, name: str, *options: str, expect: int = 0) -> Path:
     save = tmp_path / name
     config = tmp_path / f"{name}.py"
     config.write_text(RESUME + f"\nsave_path = {str(save)!r}\n")
-    result = run_tool("train", config, *options, timeout=600)
+    supervised = tmp_path / "supervised.pth"
+    if not supervised.exists():  # an (untrained) supervised model of the tiny network, to warm-start from
+        torch.manual_seed(0)
+        network = MODELS.build(dict(type="PointGroupLite", **SEGMENTOR))
+        torch.save({"state_dict": network.state_dict()}, supervised)
+    result = run_tool("train", config, f"weight={supervised}", *options, timeout=600)
     assert result.returncode == expect, result.stderr[-3000:]
     return save
 
@@ -207,6 +224,7 @@ def test_a_killed_run_resumes_bit_identically(tmp_path):
     every 3 steps, so the one at step 3 falls between two updates of a rollout."""
     ref = _run(tmp_path, "ref")
     assert [s for s, _ in train_losses(ref)] == list(range(1, 9))
+    assert "model tensors from " + str(tmp_path / "supervised.pth") in (ref / "train.log").read_text()  # warm start
     _run(tmp_path, "run", "hooks.KillAtStep.step=5", expect=-9)
     run = _run(tmp_path, "run", "resume=True")
     assert (run / "train.log").read_text().count("Resumed from") == 1

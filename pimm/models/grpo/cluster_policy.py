@@ -56,6 +56,15 @@ from .reference import FrozenReference
 __all__ = ["ClusterRadiusPolicy", "RadiusHead", "event_features"]
 
 RADIUS_KINDS = ("agree", "merge")
+_NETWORK = {"backbone", "seg_head", "offset_head"}
+
+
+def _note_loaded(model: "ClusterRadiusPolicy", incompatible) -> None:
+    """Post-hook of ``load_state_dict``: the network counts as loaded when no
+    key of it was missing (``weight=`` warm start, or a resume; the keys may
+    carry a wrapper's prefix)."""
+    if not any(_NETWORK & set(key.split(".")) for key in incompatible.missing_keys):
+        model.network_loaded = True
 
 
 def event_features(feat: torch.Tensor, seg_logits: torch.Tensor, offset_pred: torch.Tensor, events: torch.Tensor,
@@ -121,12 +130,16 @@ class ClusterRadiusPolicy(PointGroupLite):
         hidden: width of the head's hidden layer.
         keep_bias: initial logit advantage of scale 1.0 over the others.
         use_event_features: False = a global policy (see the module docstring).
+        require_weights: refuse to sample rollouts until trained weights were
+            loaded into the network (``weight=`` or a resume): fine-tuning the
+            clustering of an untrained network is a mistake that costs a run.
         grpo: options of :class:`~pimm.models.grpo.objective.GRPOObjective`.
     """
 
     def __init__(self, radius_scales: Sequence[float] = (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0),
                  radius_kinds: Sequence[str] = RADIUS_KINDS, num_generations: int = 8, hidden: int = 64,
-                 keep_bias: float = 1.0, use_event_features: bool = True, grpo: dict | None = None, **segmentor):
+                 keep_bias: float = 1.0, use_event_features: bool = True, require_weights: bool = True,
+                 grpo: dict | None = None, **segmentor):
         super().__init__(**segmentor)
         name = type(self).__name__
         scales = [float(s) for s in radius_scales] if isinstance(radius_scales, (list, tuple)) else []
@@ -141,8 +154,12 @@ class ClusterRadiusPolicy(PointGroupLite):
                               "compares a group's trajectories with each other")
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
             raise ConfigError(f"{name}: hidden={hidden!r} must be a positive integer")
-        if not isinstance(use_event_features, bool):
-            raise ConfigError(f"{name}: use_event_features must be True or False, got {use_event_features!r}")
+        for flag, value in (("use_event_features", use_event_features), ("require_weights", require_weights)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}: {flag} must be True or False, got {value!r}")
+        self.require_weights = require_weights
+        self.network_loaded = False  # set when a state dict fills the network (see _note_loaded)
+        self.register_load_state_dict_post_hook(_note_loaded)
         # The supervised network is frozen: not trained, not in the optimizer, always in eval mode.
         for part in (self.backbone, self.seg_head, self.offset_head):
             part.requires_grad_(False)
@@ -255,6 +272,10 @@ class ClusterRadiusPolicy(PointGroupLite):
         if missing:
             raise UserError(f"{type(self).__name__} needs {', '.join(missing)} in the batch (an instance-"
                             "segmentation data set, e.g. LArTPCSynthDataset with Collect keys coord, instance)")
+        if self.require_weights and not self.network_loaded:
+            raise UserError(f"{type(self).__name__} fine-tunes the clustering of a trained instance model, but no "
+                            "weights were loaded into its network: start from the supervised checkpoint with "
+                            "--options weight=PATH (or set model.require_weights=False)")
         frozen = self._frozen_pass(batch)
         num_events = frozen["features"].shape[0]
         logits = self.policy(frozen["features"])
