@@ -87,7 +87,8 @@ def test_per_event_radii_cluster_each_event_as_alone(batch):
     n = int(batch["offset"][0])
     coord, shifted = batch["coord"][:n], (batch["coord"] + frozen["offset_pred"])[:n]
     semantic = frozen["semantic"][:n]
-    radii = [((6.0, 3.0, 4.0, 4.0, 3.0), (35.0, 10.0, 10.0, 10.0, 10.0)), ((3.0,) * 5, (5.0,) * 5), ((12.0,) * 5, (60.0,) * 5)]
+    radii = [((6.0, 3.0, 4.0, 4.0, 3.0), (35.0, 10.0, 10.0, 10.0, 10.0)), ((3.0,) * 5, (5.0,) * 5),
+             ((12.0,) * 5, (60.0,) * 5)]
     alone = [cluster_instances(coord, shifted, semantic, torch.zeros(n, dtype=torch.long), 1.0, a, m, 1, (4,))
              for a, m in radii]
     together = cluster_instances(coord.repeat(3, 1), shifted.repeat(3, 1), semantic.repeat(3),
@@ -107,7 +108,8 @@ def test_a_rollout_has_the_contract_shapes_and_its_rewards_are_the_events_ari(ba
     decisions = 2 * 4  # (agree, merge) x the 4 classes that are not stuff
     assert traj["actions"].shape == traj["old_logp"].shape == traj["action_mask"].shape == (12, decisions)
     assert bool(traj["action_mask"].all()) and torch.equal(traj["event_index"], torch.arange(3).repeat_interleave(4))
-    assert torch.allclose(traj["old_logp"], torch.full_like(traj["old_logp"], -torch.log(torch.tensor(float(len(model.scales))))))
+    uniform = -torch.log(torch.tensor(float(len(model.scales))))  # keep_bias 0: all scales equally likely
+    assert torch.allclose(traj["old_logp"], torch.full_like(traj["old_logp"], uniform))
     assert rollout["context"]["features"].shape[0] == 3 and "ref_logp" not in traj  # beta = 0: no reference
     frozen = model._frozen_pass(batch)
     ends = batch["offset"].tolist()

@@ -110,7 +110,8 @@ class ClusterPolicyEvaluator(EvaluatorBase):
             shapes.update({f"{key}_sum": len(self.class_names) for key in _SCALE_KEYS})
         names = ("ari_sum", "ari_supervised_sum", "improved", "worse", "events", "scale_events")
         out = {name: self._sums.get(name, torch.zeros((), dtype=torch.float64)) for name in names}
-        out.update({name: self._sums.get(name, torch.zeros(size, dtype=torch.float64)) for name, size in shapes.items()})
+        out.update({name: self._sums.get(name, torch.zeros(size, dtype=torch.float64))
+                    for name, size in shapes.items()})
         return {name: value.to(device).clone() for name, value in out.items()}
 
     def compute(self, totals: dict[str, torch.Tensor]) -> dict:

@@ -105,7 +105,8 @@ class RadiusHead(nn.Module):
         super().__init__()
         self.num_decisions, self.num_scales, self.use_features = num_decisions, num_scales, use_features
         self.norm = nn.LayerNorm(in_features)
-        self.mlp = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_decisions * num_scales))
+        self.mlp = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, num_decisions * num_scales))
         with torch.no_grad():
             out = self.mlp[-1]
             out.weight.zero_()
