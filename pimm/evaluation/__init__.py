@@ -22,11 +22,12 @@ from .cls import ClsEvaluator  # noqa: E402  (registers the hook)
 
 __all__ += ["ClsEvaluator"]
 
+from .cluster_policy import ClusterPolicyEvaluator  # noqa: E402
 from .inseg import InsSegEvaluator  # noqa: E402  (registers the HOOKS entry)
 from .proposal import ProposalEvaluator  # noqa: E402
 from .semseg import SemSegEvaluator  # noqa: E402
 
-__all__ += ["InsSegEvaluator", "ProposalEvaluator", "SemSegEvaluator"]
+__all__ += ["ClusterPolicyEvaluator", "InsSegEvaluator", "ProposalEvaluator", "SemSegEvaluator"]
 
 from .testers import ClsTester, InsSegTester, SemSegTester  # noqa: E402  (registers TESTERS entries)
 

@@ -65,14 +65,21 @@ def _compact(labels: torch.Tensor) -> torch.Tensor:
     return torch.unique(labels, return_inverse=True)[1]
 
 
-def _per_class(value: float | Sequence[float], num_classes: int, like: torch.Tensor) -> torch.Tensor:
-    """A radius per class as a tensor (a scalar applies to every class)."""
+def _radius_table(value, num_events: int, num_classes: int, like: torch.Tensor) -> torch.Tensor:
+    """A radius per (event, class) group, flat ``(num_events * num_classes,)``
+    indexed by ``event * num_classes + class``: from one value (every class),
+    one per class, or a ``(num_events, classes)`` tensor (per event and class)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 2:
+        if value.shape[0] != num_events or value.shape[1] < num_classes:
+            raise ConfigError(f"cluster_instances: per-event radii of shape {tuple(value.shape)} for "
+                              f"{num_events} events and {num_classes} classes")
+        return value[:, :num_classes].to(like).reshape(-1)
     if isinstance(value, (int, float)):
-        return like.new_full((num_classes,), float(value))
+        return like.new_full((num_events * num_classes,), float(value))
     values = like.new_tensor([float(v) for v in value])
     if len(values) < num_classes:
         raise ConfigError(f"cluster_instances: {len(values)} per-class radii for {num_classes} classes")
-    return values[:num_classes]
+    return values[:num_classes].repeat(num_events)
 
 
 def cluster_instances(
@@ -81,8 +88,8 @@ def cluster_instances(
     semantic: torch.Tensor,
     batch: torch.Tensor,
     grid_size: float,
-    agree_radius: float | Sequence[float],
-    merge_radius: float | Sequence[float],
+    agree_radius: float | Sequence[float] | torch.Tensor,
+    merge_radius: float | Sequence[float] | torch.Tensor,
     min_points: int = 1,
     stuff_classes: Sequence[int] = (),
 ) -> torch.Tensor:
@@ -93,8 +100,10 @@ def cluster_instances(
         shifted: (N,3) centroid votes (``coord + offset_pred``).
         semantic: (N,) predicted class; instances never span two classes.
         batch: (N,) event index; instances never span two events.
-        agree_radius, merge_radius: one value, or one per class (showers are
-            diffuse and their votes scatter more than a track's).
+        agree_radius, merge_radius: one value, one per class (showers are
+            diffuse and their votes scatter more than a track's), or a
+            ``(events, classes)`` tensor: one per event and class (a policy
+            choosing radii event by event, :mod:`pimm.models.grpo.cluster_policy`).
 
     Returns (N,) long instance ids, unique across the batch, -1 = unassigned.
     """
@@ -106,14 +115,15 @@ def cluster_instances(
     num_classes = int(semantic.max()) + 1
     group = batch[idx] * num_classes + semantic[idx]  # one graph per (event, class)
     votes = shifted[idx]
-    agree_r = _per_class(agree_radius, num_classes, votes)
-    merge_r = _per_class(merge_radius, num_classes, votes)
+    num_events = int(batch.max()) + 1
+    agree_r = _radius_table(agree_radius, num_events, num_classes, votes)
+    merge_r = _radius_table(merge_radius, num_events, num_classes, votes)
 
     # Stage 1: fragments along voxel adjacency where the votes agree.
     vgrid, vgroup, inv = voxelize(event_grid_coord(coord[idx], group, grid_size), group)
     vvote = scatter_mean(votes, inv, vgrid.shape[0])
     a, b, _ = neighbor_pairs(vgrid, vgroup, _NEIGHBORS_26.to(vgrid.device))
-    agree = (vvote[a] - vvote[b]).norm(dim=1) <= agree_r[vgroup[a] % num_classes]
+    agree = (vvote[a] - vvote[b]).norm(dim=1) <= agree_r[vgroup[a]]
     frag = _compact(connected_components(vgrid.shape[0], a[agree], b[agree]))[inv]
 
     # Stage 2: merge fragments whose mean votes are close. Fragments are linked
@@ -121,7 +131,7 @@ def cluster_instances(
     # occupied neighbouring cells are linked too.
     num_frag = int(frag.max()) + 1
     fgroup = torch.zeros(num_frag, dtype=group.dtype, device=group.device).scatter_(0, frag, group)
-    fvote = scatter_mean(votes, frag, num_frag) / merge_r[fgroup % num_classes, None]
+    fvote = scatter_mean(votes, frag, num_frag) / merge_r[fgroup, None]
     cell_grid = event_grid_coord(fvote, fgroup, 1.0)
     cgrid, cgroup, cell_of_frag = voxelize(cell_grid, fgroup)
     ca, cb, _ = neighbor_pairs(cgrid, cgroup, _NEIGHBORS_26.to(cgrid.device))
