@@ -162,32 +162,42 @@ def _voxelise(ev: Deposits, voxel_size: float, energy_threshold: float,
     every deposit inside the detector (``inside``)."""
     de = np.concatenate(ev.de)
     # Detector response: smear every deposit (one draw for the whole event).
-    de = (de * np.clip(1.0 + ev.noise * ev.rng.normal(size=len(de)), 0.2, None))[inside]
-    src = np.concatenate(ev.src)[inside]
+    response = ev.rng.normal(size=len(de))
+    response *= ev.noise
+    response += 1.0
+    de *= np.maximum(response, 0.2, out=response)
+    src = np.concatenate(ev.src)
+    if not inside.all():
+        de, src = de[inside], src[inside]
     n_src = len(ev.sources)
-    # First sum per (voxel, source) pair, then pick the strongest pair per voxel.
-    pairs, inv = np.unique(keys * n_src + src, return_inverse=True)
+    # First sum per (voxel, source) pair (in deposit order), then pick the
+    # strongest pair per voxel.
+    pairs, inv = _unique_with_inverse(keys * n_src + src)
     pair_e = np.bincount(inv, weights=de)
     pair_vox, pair_src = pairs // n_src, pairs % n_src
-    order = np.lexsort((-pair_e, pair_vox))
+    order = _strongest_first(pair_vox, pair_e)
     first = np.ones(len(order), dtype=bool)
-    first[1:] = pair_vox[order][1:] != pair_vox[order][:-1]
-    vox = pair_vox[order][first]
+    first[1:] = pair_vox[1:] != pair_vox[:-1]  # pairs are sorted by voxel
+    vox = pair_vox[first]
     dominant = pair_src[order][first]
     group = np.cumsum(first) - 1
     energy = np.bincount(group, weights=pair_e[order])
     keep = energy >= energy_threshold
-    vox, dominant, energy = vox[keep], dominant[keep], energy[keep]
-    n_vox = int(np.ceil(ev.size / voxel_size))
-    ijk = np.stack([vox // (n_vox * n_vox), (vox // n_vox) % n_vox, vox % n_vox], axis=1)
+    if not keep.all():
+        vox, dominant, energy = vox[keep], dominant[keep], energy[keep]
     table = np.asarray(ev.sources, dtype=np.int64).reshape(-1, 3)
     segment, instance, interaction = table[dominant, 0], _compact(table[dominant, 1]), table[dominant, 2]
     # Group points by cluster as PILArNet files do: low-energy deposits first
-    # (one cluster per interaction), then one cluster per particle instance.
+    # (one cluster per interaction), then one cluster per particle instance;
+    # voxels (already ascending) keep their order within a cluster.
     is_particle = instance >= 0
-    order = np.lexsort((vox, np.where(is_particle, instance, interaction), is_particle))
+    cluster = np.where(is_particle, instance + (int(interaction.max(initial=-1)) + 2), interaction + 1)
+    order = np.argsort(cluster.astype(np.uint16) if cluster.max(initial=0) < 1 << 16 else cluster, kind="stable")
+    vox = vox[order]
+    n_vox = int(np.ceil(ev.size / voxel_size))
+    ijk = np.stack([vox // (n_vox * n_vox), (vox // n_vox) % n_vox, vox % n_vox], axis=1)
     return dict(
-        coord=(ijk[order] * voxel_size).astype(np.float32),
+        coord=(ijk * voxel_size).astype(np.float32),
         energy=energy[order].astype(np.float32)[:, None],
         segment=segment[order],
         instance=instance[order],
@@ -195,13 +205,41 @@ def _voxelise(ev: Deposits, voxel_size: float, energy_threshold: float,
     )
 
 
+def _unique_with_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for a 1-D int array, without
+    its generic overhead."""
+    order = values.argsort()
+    ordered = values[order]
+    new = np.empty(len(values), dtype=bool)
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    inverse = np.empty(len(values), dtype=np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[new], inverse
+
+
+def _strongest_first(pair_vox: np.ndarray, pair_e: np.ndarray) -> np.ndarray:
+    """The permutation that orders (voxel, source) pairs, already sorted by
+    voxel, by decreasing energy within each voxel (ties keep their order):
+    ``np.lexsort((-pair_e, pair_vox))``, sorting only voxels with several
+    sources (a few per event)."""
+    order = np.arange(len(pair_vox))
+    shared = np.flatnonzero(pair_vox[1:] == pair_vox[:-1])
+    if len(shared):
+        rows = np.unique(np.concatenate([shared, shared + 1]))
+        order[rows] = rows[np.lexsort((-pair_e[rows], pair_vox[rows]))]
+    return order
+
+
 def _compact(instance: np.ndarray) -> np.ndarray:
     """Renumber instance ids to 0..K-1 in order of first id (particles that lost
     every voxel to others leave no gaps); -1 stays -1."""
-    out = np.full_like(instance, -1)
     valid = instance >= 0
-    out[valid] = np.unique(instance[valid], return_inverse=True)[1]
-    return out
+    present = np.zeros(int(instance.max(initial=-1)) + 2, dtype=bool)
+    present[instance[valid]] = True
+    rank = np.cumsum(present) - 1
+    rank[-1] = -1  # index -1: keeps -1
+    return rank[instance]
 
 
 @DATASETS.register_module()

@@ -219,7 +219,11 @@ class Deposits:
         ``since``-th deposit batch on), and the inside mask."""
         pos = np.concatenate(self.pos[since:])
         n_vox = int(np.ceil(self.size / voxel_size))
-        idx = np.floor(pos / voxel_size).astype(np.int64)
-        inside = (idx.min(axis=1) >= 0) & (idx.max(axis=1) < n_vox) & (pos.max(axis=1) < self.size)
-        idx = idx[inside]
-        return (idx[:, 0] * n_vox + idx[:, 1]) * n_vox + idx[:, 2], inside
+        corner = np.floor(pos / voxel_size)
+        # Reductions along the short axis are slow in numpy: combine columns.
+        ok = (corner >= 0) & (corner < n_vox) & (pos < self.size)
+        inside = ok[:, 0] & ok[:, 1]
+        inside &= ok[:, 2]
+        idx = corner.astype(np.int64)
+        keys = (idx[:, 0] * n_vox + idx[:, 1]) * n_vox + idx[:, 2]
+        return (keys if inside.all() else keys[inside]), inside
