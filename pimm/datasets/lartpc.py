@@ -94,7 +94,9 @@ def _muon_daughters(ev: Deposits, interaction: int, phys: dict, vertex: np.ndarr
         # radiated and mostly escapes as diffuse photons.
         starts.append(end), dirs.append(isotropic(rng)), travel.append(max(0.6 * energy / MIP, 3.0))
         energies.append(energy), srcs.append(ev.new_source(MICHEL, interaction))
-    inside = (mu.min(axis=1) >= 0) & (mu.max(axis=1) < size)
+    within = (mu >= 0) & (mu < size)
+    inside = within[:, 0] & within[:, 1]
+    inside &= within[:, 2]
     # Delta rays start away from the stopping end so they never mimic a Michel.
     candidates = np.flatnonzero(inside[: max(len(mu) - int(10 / ev.step), 1)])
     n_delta = rng.poisson(phys["delta_rate"] * int(np.count_nonzero(inside)) * ev.step) if len(candidates) else 0

@@ -76,6 +76,16 @@ def _step_offsets(step: float, count: int) -> np.ndarray:
     return (np.arange(count) + 0.5) * step
 
 
+def _path_cumsum(x: np.ndarray, first_count: int, previous_ends, later_counts) -> np.ndarray:
+    """Cumulative sum over all rows of a call, then minus the total up to the
+    previous path's end for every later path (not a restart: bit for bit what
+    the original did). ``previous_ends`` is None for a single path."""
+    total = x.cumsum(axis=0)
+    if previous_ends is not None:
+        total[first_count:] -= total[previous_ends].repeat(later_counts, axis=0)
+    return total
+
+
 class Deposits:
     """Energy deposits (position, MeV, source) of one event and its source table.
 
@@ -104,17 +114,19 @@ class Deposits:
 
     # -- stepping ---------------------------------------------------------------
 
-    def _steps(self, lengths: list) -> tuple[list[int], np.ndarray]:
-        """Steps per path and the residual path length at every step's middle."""
+    def _steps(self, lengths: list) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Steps per path, the residual path length at every step's middle and
+        each path's length at every step."""
         step = self.step
         counts = [max(math.ceil(length / step), 1) for length in lengths]
         offsets = _step_offsets(step, max(64, 1 << (max(counts) - 1).bit_length()))
         if len(counts) == 1:
-            residual = lengths[0] - offsets[: counts[0]]
+            per_step_length = lengths[0]
+            residual = per_step_length - offsets[: counts[0]]
         else:
-            residual = np.repeat(np.array(lengths, dtype=float), counts)
-            residual -= np.concatenate([offsets[:c] for c in counts])
-        return counts, np.maximum(residual, 0.25 * step, out=residual)
+            per_step_length = np.array(lengths, dtype=float).repeat(counts)
+            residual = per_step_length - np.concatenate([offsets[:c] for c in counts])
+        return counts, np.maximum(residual, 0.25 * step, out=residual), per_step_length
 
     @staticmethod
     def _per_step(values, counts: list[int]):
@@ -123,39 +135,36 @@ class Deposits:
             return values[0]
         return np.asarray(values).repeat(counts, axis=0)
 
-    def _scatter(self, starts, dirs: np.ndarray, counts: list[int], theta: np.ndarray):
+    def _scatter(self, starts: np.ndarray, dirs: np.ndarray, counts: list[int], theta: np.ndarray):
         """Walk the paths with Gaussian direction kicks of rms ``theta`` per step.
 
         A running sum of the kicks makes the direction a random walk whose
         spread grows like sqrt(path length), as multiple scattering does.
         ``starts`` is (k, 3) or one (3,) start shared by every path. Returns
-        the step midpoints and each path's end point and final direction."""
+        the step midpoints and each path's end point and final direction
+        (both (k, 3))."""
         kicks = self.rng.normal(size=(len(theta), 3))
         kicks *= theta[:, None]
-        step_dirs = self._path_cumsum(kicks, counts)
-        step_dirs += self._per_step(dirs, counts) if len(counts) > 1 else dirs[0]
+        if len(counts) == 1:
+            last, previous_ends, later = slice(-1, None), None, None
+        else:
+            last = np.array(counts).cumsum()
+            last -= 1
+            previous_ends, later = last[:-1], counts[1:]
+        step_dirs = _path_cumsum(kicks, counts[0], previous_ends, later)
+        step_dirs += dirs[0] if later is None else dirs.repeat(counts, axis=0)
         sq = step_dirs * step_dirs
         norm = sq[:, 0] + sq[:, 1]
         norm += sq[:, 2]
         step_dirs /= np.sqrt(norm, out=norm)[:, None]
-        pos = self._path_cumsum(step_dirs, counts)
+        pos = _path_cumsum(step_dirs, counts[0], previous_ends, later)
         pos -= 0.5 * step_dirs
         pos *= self.step
-        starts = np.asarray(starts, dtype=float)
-        pos += starts if starts.ndim == 1 else self._per_step(starts, counts)
-        last = np.cumsum(counts) - 1
+        if starts.ndim == 2:
+            starts = starts[0] if later is None else starts.repeat(counts, axis=0)
+        pos += starts
         end_dirs = step_dirs[last]
         return pos, pos[last] + 0.5 * self.step * end_dirs, end_dirs
-
-    @staticmethod
-    def _path_cumsum(x: np.ndarray, counts: list[int]) -> np.ndarray:
-        """Cumulative sum over all rows of the call, then minus the total
-        before each path (not a restart: that is what the original did)."""
-        total = x.cumsum(axis=0)
-        if len(counts) > 1:
-            ends = np.cumsum(counts)
-            total[counts[0]:] -= np.repeat(total[ends[:-1] - 1], counts[1:], axis=0)
-        return total
 
     def _highland(self, p: np.ndarray, mass_squared) -> np.ndarray:
         """Highland rms scattering angle per step (capped at 0.5 rad) from the
@@ -174,7 +183,7 @@ class Deposits:
         as residual_range**-0.42 toward the stopping end (never below MIP);
         the momentum, hence the scattering, falls like residual_range**0.57.
         Returns the step midpoints and the steps per path."""
-        counts, residual = self._steps(lengths)
+        counts, residual, _ = self._steps(lengths)
         mass, p_coef, bragg = zip(*kinds)
         momentum = residual**0.57
         momentum *= self._per_step(p_coef, counts)
@@ -185,21 +194,23 @@ class Deposits:
         np.maximum(dedx, 1.0, out=dedx)
         dedx = MIP * dedx
         dedx *= self.step
-        self.deposit(pos, dedx, np.repeat(np.array(srcs, dtype=np.int64), counts))
+        self.deposit(pos, dedx, np.array(srcs, dtype=np.int64).repeat(counts))
         return pos, counts
 
     def electrons(self, starts: np.ndarray, dirs: np.ndarray, lengths: list, energies: list, srcs: list):
         """Electrons ionising at MIP while losing energy; the softer they get
         the more they scatter, which gives the characteristic wiggle. Returns
         each path's end point and final direction."""
-        counts, residual = self._steps(lengths)
-        momentum = self._per_step(lengths, counts) - residual
+        counts, residual, per_step_length = self._steps(lengths)
+        momentum = per_step_length - residual
         momentum *= MIP
         momentum = np.subtract(self._per_step(energies, counts), momentum, out=momentum)
         np.maximum(momentum, 1.0, out=momentum)
         pos, ends, end_dirs = self._scatter(starts, dirs, counts,
                                             self._highland(momentum, ELECTRON_MASS * ELECTRON_MASS))
-        self.deposit(pos, np.full(len(pos), MIP * self.step), np.repeat(np.array(srcs, dtype=np.int64), counts))
+        de = np.empty(len(pos))
+        de.fill(MIP * self.step)
+        self.deposit(pos, de, np.array(srcs, dtype=np.int64).repeat(counts))
         return ends, end_dirs
 
     def blips(self, centers: np.ndarray, src: int) -> None:
