@@ -18,6 +18,15 @@ it): ``segment`` 0 shower, 1 track, 2 Michel, 3 delta ray, 4 low-energy;
 ``instance`` a particle id unique within the event (a whole shower is one
 instance; low-energy deposits are -1); ``interaction`` the id of the
 interaction the deposit came from (-1 for detector-wide background blips).
+
+Layout: this module composes interactions, voxelises them and is the data
+set; the stepping of charged particles and the deposit ledger live in
+:mod:`pimm.datasets.lartpc_paths`, the electromagnetic cascades in
+:mod:`pimm.datasets.lartpc_showers`. The generator was made about twice as
+fast without changing a single event: ``bench/lartpc_generator.py`` and
+``tests/test_lartpc_generator.py`` check it against the frozen original,
+``bench/lartpc_generator_reference.py``, bit for bit. A physics change that
+alters events must be made there too, and documented.
 """
 
 from __future__ import annotations
