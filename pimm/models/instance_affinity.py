@@ -169,7 +169,11 @@ class PointGroupAffinity(nn.Module):
         valid = torch.nonzero(instance >= 0).squeeze(1)
         if valid.numel() < 2:
             return embed.sum() * 0.0
-        votes, emb = (coord + offset_pred)[valid], embed[valid]
+        # The votes enter the affinity detached: the offsets learn from their own
+        # loss only (an unbounded pull on far-apart votes of long tracks
+        # otherwise swamps the backbone's gradients); the affinity loss trains
+        # the embedding and the bandwidths.
+        votes, emb = (coord + offset_pred.detach())[valid], embed[valid]
         sem = segment[valid].clamp(0, self.num_classes - 1)
         inst = instance[valid]
         bandwidth = self.log_bandwidth.exp()[sem]
