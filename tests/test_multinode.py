@@ -113,3 +113,19 @@ hooks.append(dict(type="PauseForSignal", steps=[{PAUSE}], signals=["SIGTERM"], d
     for key, tensor in expected["state_dict"].items():
         assert torch.equal(done["state_dict"][key], tensor), key
     assert train_losses(save_path) == train_losses(reference)
+
+
+@pytest.mark.parametrize("restart_count, given, expected", [("0", False, False), ("", False, False),
+                                                             ("1", False, True), ("2", True, True)])
+def test_worker_restarted_by_torchrun_resumes(monkeypatch, restart_count, given, expected):
+    """torchrun --max_restarts=N reruns a failed worker with the same command
+    line: the restarted worker continues its run instead of stopping at the
+    save_path guard."""
+    from types import SimpleNamespace
+
+    from pimm.engines.launch import _resume_after_elastic_restart
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart_count)
+    cfg = SimpleNamespace(resume=given)
+    _resume_after_elastic_restart(cfg)
+    assert cfg.resume is expected

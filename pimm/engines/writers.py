@@ -68,11 +68,19 @@ class MetricsWriter:
         if self._tb is None and self._wandb_run is None:
             return
         for step, scalars in _dashboard_events(records, kinds):
-            if self._tb is not None:
-                for tag, value in scalars.items():
-                    self._tb.add_scalar(tag, value, step)
+            if self._tb is not None and scalars:
+                self._add_tb_scalars(scalars, step)
             if self._wandb_run is not None:
                 self._wandb_run.log(scalars, step=step)
+
+    def _add_tb_scalars(self, scalars: dict[str, float], step: int) -> None:
+        # One event holding every scalar of the window: tensorboardX sends each
+        # event through a multiprocessing queue and a writer thread, so one
+        # add_scalar per tag cost ~100 us each on the training thread.
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+        self._tb._get_file_writer().add_summary(Summary(value=values), step)
 
     @property
     def logs_images(self) -> bool:
