@@ -118,4 +118,4 @@ def test_the_shipped_ema_and_early_stopping_config_loads_with_its_hooks(tmp_path
                              [f"save_path={tmp_path / 'run'}"], world_size=1)
     by_type = {type(hook).__name__: hook for hook in hooks}
     assert {"ClsEvaluator", "EMAHook", "EarlyStopping", "CheckpointSaver"} <= set(by_type)
-    assert by_type["EarlyStopping"].monitor == "val/acc" and cfg.epoch > 4  # a budget early stopping cuts short
+    assert by_type["EarlyStopping"].monitor == "val_ema/acc" and cfg.epoch > 4  # a budget early stopping cuts short

@@ -1,22 +1,13 @@
-"""Instance segmentation: PointGroupLite (semantic + centroid-offset heads) and
-its vectorised clustering.
+"""Instance segmentation: PointGroupLite (semantic + centroid-offset heads),
+the baseline instance model.
 
 Each point predicts its class and the vector to its instance centroid
 (targets are scatter means of the ``instance`` ids). At eval time points are
-grouped in two stages, per event and per predicted class:
-
-1. *fragments*: connected components of the voxel-adjacency graph whose edges
-   are kept only where the two voxels' shifted positions (coord + offset)
-   agree within ``agree_radius``. Following voxels along a track is robust
-   even when a long track's centroid votes are imprecise, while two particles
-   touching at a vertex vote for different centroids and are cut apart.
-2. *merging*: fragments whose mean votes fall within ``merge_radius`` (voxel
-   hashing of the votes) are joined, which reassembles electromagnetic showers
-   whose pieces are separated by photon gaps.
-
-Everything is tensor code: no per-point Python loop. Points of
-``stuff_classes`` (e.g. low-energy deposits, which carry no instance) and
-clusters smaller than ``min_points`` get ``-1``.
+grouped per event and per predicted class by :func:`cluster_instances`
+(:mod:`pimm.models.clustering`): fragments along voxel adjacency where the
+votes (coord + offset) agree, then fragments whose mean votes are close are
+joined, which reassembles showers split by photon gaps. The offset head and
+its loss are shared with :class:`~pimm.models.instance_affinity.PointGroupAffinity`.
 """
 
 from __future__ import annotations
@@ -30,21 +21,13 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
+from .clustering import cluster_instances
 from .losses import build_criteria
-from .point_ops import (
-    connected_components,
-    event_grid_coord,
-    neighbor_pairs,
-    offset2batch,
-    scatter_mean,
-    voxelize,
-)
+from .point_ops import offset2batch, scatter_mean
 from .segmentors import build_backbone
 
-__all__ = ["PointGroupLite", "cluster_instances", "instance_centroid_offsets"]
-
-_NEIGHBORS_26 = torch.tensor([[x, y, z] for x in (-1, 0, 1) for y in (-1, 0, 1) for z in (-1, 0, 1)
-                              if (x, y, z) != (0, 0, 0)])
+__all__ = ["PointGroupLite", "centroid_offset_loss", "cluster_instances", "instance_centroid_offsets",
+           "make_offset_head"]
 
 
 def instance_centroid_offsets(coord: torch.Tensor, instance: torch.Tensor, batch: torch.Tensor):
@@ -61,93 +44,24 @@ def instance_centroid_offsets(coord: torch.Tensor, instance: torch.Tensor, batch
     return target, valid
 
 
-def _compact(labels: torch.Tensor) -> torch.Tensor:
-    return torch.unique(labels, return_inverse=True)[1]
+def make_offset_head(width: int) -> nn.Sequential:
+    """Linear-BN-ReLU-Linear from backbone features to a 3D offset."""
+    return nn.Sequential(nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 3))
 
 
-def _radius_table(value, num_events: int, num_classes: int, like: torch.Tensor) -> torch.Tensor:
-    """A radius per (event, class) group, flat ``(num_events * num_classes,)``
-    indexed by ``event * num_classes + class``: from one value (every class),
-    one per class, or a ``(num_events, classes)`` tensor (per event and class)."""
-    if isinstance(value, torch.Tensor) and value.dim() == 2:
-        if value.shape[0] != num_events or value.shape[1] < num_classes:
-            raise ConfigError(f"cluster_instances: per-event radii of shape {tuple(value.shape)} for "
-                              f"{num_events} events and {num_classes} classes")
-        return value[:, :num_classes].to(like).reshape(-1)
-    if isinstance(value, (int, float)):
-        return like.new_full((num_events * num_classes,), float(value))
-    values = like.new_tensor([float(v) for v in value])
-    if len(values) < num_classes:
-        raise ConfigError(f"cluster_instances: {len(values)} per-class radii for {num_classes} classes")
-    return values[:num_classes].repeat(num_events)
-
-
-def cluster_instances(
-    coord: torch.Tensor,
-    shifted: torch.Tensor,
-    semantic: torch.Tensor,
-    batch: torch.Tensor,
-    grid_size: float,
-    agree_radius: float | Sequence[float] | torch.Tensor,
-    merge_radius: float | Sequence[float] | torch.Tensor,
-    min_points: int = 1,
-    stuff_classes: Sequence[int] = (),
-) -> torch.Tensor:
-    """Group points into instances (see the module docstring).
-
-    Args:
-        coord: (N,3) point positions; ``grid_size`` is their voxel edge.
-        shifted: (N,3) centroid votes (``coord + offset_pred``).
-        semantic: (N,) predicted class; instances never span two classes.
-        batch: (N,) event index; instances never span two events.
-        agree_radius, merge_radius: one value, one per class (showers are
-            diffuse and their votes scatter more than a track's), or a
-            ``(events, classes)`` tensor: one per event and class (a policy
-            choosing radii event by event, :mod:`pimm.models.grpo.cluster_policy`).
-
-    Returns (N,) long instance ids, unique across the batch, -1 = unassigned.
-    """
-    out = torch.full_like(semantic, -1)
-    stuff = torch.tensor(list(stuff_classes), dtype=semantic.dtype, device=semantic.device)
-    idx = torch.nonzero(~torch.isin(semantic, stuff)).squeeze(1)
-    if idx.numel() == 0:
-        return out
-    num_classes = int(semantic.max()) + 1
-    group = batch[idx] * num_classes + semantic[idx]  # one graph per (event, class)
-    votes = shifted[idx]
-    num_events = int(batch.max()) + 1
-    agree_r = _radius_table(agree_radius, num_events, num_classes, votes)
-    merge_r = _radius_table(merge_radius, num_events, num_classes, votes)
-
-    # Stage 1: fragments along voxel adjacency where the votes agree.
-    vgrid, vgroup, inv = voxelize(event_grid_coord(coord[idx], group, grid_size), group)
-    vvote = scatter_mean(votes, inv, vgrid.shape[0])
-    a, b, _ = neighbor_pairs(vgrid, vgroup, _NEIGHBORS_26.to(vgrid.device))
-    agree = (vvote[a] - vvote[b]).norm(dim=1) <= agree_r[vgroup[a]]
-    frag = _compact(connected_components(vgrid.shape[0], a[agree], b[agree]))[inv]
-
-    # Stage 2: merge fragments whose mean votes are close. Fragments are linked
-    # to a hash cell of their vote (cells of the class's merge radius);
-    # occupied neighbouring cells are linked too.
-    num_frag = int(frag.max()) + 1
-    fgroup = torch.zeros(num_frag, dtype=group.dtype, device=group.device).scatter_(0, frag, group)
-    fvote = scatter_mean(votes, frag, num_frag) / merge_r[fgroup, None]
-    cell_grid = event_grid_coord(fvote, fgroup, 1.0)
-    cgrid, cgroup, cell_of_frag = voxelize(cell_grid, fgroup)
-    ca, cb, _ = neighbor_pairs(cgrid, cgroup, _NEIGHBORS_26.to(cgrid.device))
-    # Graph nodes: fragments [0, F) then cells [F, F + C).
-    src = torch.cat([torch.arange(num_frag, device=frag.device), ca + num_frag])
-    dst = torch.cat([cell_of_frag + num_frag, cb + num_frag])
-    merged = connected_components(num_frag + cgrid.shape[0], src, dst)[:num_frag]
-
-    labels = _compact(merged[frag])
-    sizes = torch.bincount(labels)
-    keep = sizes[labels] >= min_points
-    labels = torch.where(keep, labels, torch.full_like(labels, -1))
-    out[idx] = labels
-    valid = out >= 0
-    out[valid] = _compact(out[valid])
-    return out
+def centroid_offset_loss(offset_pred: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, offset_scale: float,
+                         offset_weight: float, direction_weight: float) -> torch.Tensor:
+    """``offset_weight * L1 / offset_scale + direction_weight * (1 - cos)``
+    over the points with an instance; the direction term only where the
+    target has one (points away from their centroid)."""
+    if not bool(valid.any()):
+        return offset_pred.sum() * 0.0
+    pred, tgt = offset_pred[valid], target[valid]
+    l1 = (pred - tgt).abs().sum(1).mean() / offset_scale
+    has_dir = tgt.norm(dim=1) > 1e-6 * offset_scale
+    cos = F.cosine_similarity(pred[has_dir], tgt[has_dir], dim=1, eps=1e-8)
+    direction = (1.0 - cos).mean() if cos.numel() else pred.sum() * 0.0
+    return offset_weight * l1 + direction_weight * direction
 
 
 @MODELS.register_module()
@@ -198,9 +112,7 @@ class PointGroupLite(nn.Module):
         self.num_classes = int(num_classes)
         self.backbone, width = build_backbone(backbone, "PointGroupLite")
         self.seg_head = nn.Linear(width, self.num_classes)
-        self.offset_head = nn.Sequential(
-            nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 3)
-        )
+        self.offset_head = make_offset_head(width)
         self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)])
         self.grid_size = float(grid_size)
         self.offset_scale = float(offset_scale)
@@ -212,15 +124,8 @@ class PointGroupLite(nn.Module):
         self.stuff_classes = tuple(int(c) for c in stuff_classes)
 
     def offset_loss(self, offset_pred: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        if not bool(valid.any()):
-            return offset_pred.sum() * 0.0
-        pred, tgt = offset_pred[valid], target[valid]
-        l1 = (pred - tgt).abs().sum(1).mean() / self.offset_scale
-        # Direction only where the target has one (points away from the centroid).
-        has_dir = tgt.norm(dim=1) > 1e-6 * self.offset_scale
-        cos = F.cosine_similarity(pred[has_dir], tgt[has_dir], dim=1, eps=1e-8)
-        direction = (1.0 - cos).mean() if cos.numel() else pred.sum() * 0.0
-        return self.offset_weight * l1 + self.direction_weight * direction
+        return centroid_offset_loss(offset_pred, target, valid, self.offset_scale, self.offset_weight,
+                                    self.direction_weight)
 
     def forward(self, input_dict: dict) -> dict[str, torch.Tensor]:
         feat = self.backbone(input_dict)
