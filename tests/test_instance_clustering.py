@@ -9,7 +9,7 @@ import torch
 
 from pimm.engines.registries import MODELS
 from pimm.models import instance_affinity  # noqa: F401  (registers the model)
-from pimm.models.clustering import average_linkage, cluster_instances, vote_fragments
+from pimm.models.clustering import absorb_small_clusters, average_linkage, cluster_instances, vote_fragments
 from pimm.models.instance_affinity import affinity_pair_loss, sample_partner_pairs
 from pimm.utils.errors import ConfigError
 
@@ -124,6 +124,62 @@ def test_cluster_instances_joins_shower_pieces_by_votes():
     semantic = torch.tensor([0] * 8 + [1] * 8)
     out = cluster_instances(coord, votes, semantic, torch.zeros(16, dtype=torch.long), 1.0, 2.0, 6.0)
     assert same_partition(out, [0] * 8 + [1] * 8)
+
+
+def test_absorb_small_clusters_joins_specks_to_the_particle_they_sit_on():
+    # A 12-voxel track (0) with a 2-voxel speck (1) in its middle, a 3-voxel
+    # branch (2) touching the track at one voxel and a second track (3) at
+    # the branch's far end with more contacts; an isolated 2-voxel cluster (4)
+    # and an unassigned point (-1) next to the speck.
+    # (track2 is longer than the branch, so the branch may join it.)
+    track = line([0, 0, 0], [1, 0, 0], 12)
+    branch = line([12, 1, 0], [0, 1, 0], 3)       # touches track voxel x=11
+    track2 = line([11, 4, 0], [1, 0, 0], 5)  # touches the branch's end voxel three times
+    far = line([40, 40, 40], [1, 0, 0], 2)
+    unassigned = torch.tensor([[5.0, 1, 0]])
+    coord = torch.cat([track, branch, track2, far, unassigned])
+    labels = torch.tensor([0] * 12 + [2] * 3 + [3] * 5 + [4] * 2 + [-1])
+    labels[5:7] = 1
+    batch = torch.zeros(len(coord), dtype=torch.long)
+    out = absorb_small_clusters(coord, labels, batch, 1.0, max_points=3)
+    assert int(out[-1]) == -1
+    # The speck rejoins the track; the branch joins the neighbour it touches most
+    # (track2: 3 contacts vs 1); the isolated pair stays apart.
+    assert same_partition(out[:-1], [0] * 12 + [3] * 3 + [3] * 5 + [4] * 2)
+    # max_points=1 absorbs nothing here; 0 is off.
+    assert torch.equal(absorb_small_clusters(coord, labels, batch, 1.0, max_points=1), labels)
+    assert torch.equal(absorb_small_clusters(coord, labels, batch, 1.0, max_points=0), labels)
+    # Another event's clusters are never touched, even at the same coordinates.
+    two = absorb_small_clusters(torch.cat([track, track[5:7]]), torch.tensor([0] * 12 + [1] * 2),
+                                torch.tensor([0] * 12 + [1] * 2), 1.0, max_points=3)
+    assert same_partition(two, [0] * 12 + [1] * 2)
+
+
+def test_class_groups_keep_a_track_whole_through_misclassified_voxels():
+    # A 20-voxel track voting for one centroid; voxels 8-10 predicted as class 3
+    # (delta). A real delta (class 3) leaves the track at voxel 15 with its own
+    # centroid.
+    track = line([0, 0, 0], [1, 0, 0], 20)
+    delta = line([15, 1, 0], [0, 1, 0], 5)
+    coord = torch.cat([track, delta])
+    votes = torch.cat([torch.tensor([[9.5, 0, 0]]).repeat(20, 1), torch.tensor([[15.0, 3.0, 0]]).repeat(5, 1)])
+    semantic = torch.tensor([1] * 20 + [3] * 5)
+    semantic[8:11] = 3
+    batch = torch.zeros(25, dtype=torch.long)
+    truth = [0] * 20 + [1] * 5
+    per_class = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0)
+    assert not same_partition(per_class, truth)  # the speck is its own instance
+    grouped = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, class_groups=(0, 1, 1, 1, 4),
+                                cross_class_radius=2.0)
+    assert same_partition(grouped, truth)
+    # Without a cross-class radius only merging joins across classes: the
+    # speck's votes equal the track's, so it joins; the delta's do not.
+    assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0,
+                                            class_groups=(0, 1, 1, 1, 4)), truth)
+    # Absorbing small clusters repairs the per-class result as well.
+    assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, absorb_points=3), truth)
+    with pytest.raises(ConfigError, match="class_groups"):
+        cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, class_groups=(0, 1))
 
 
 # ------------------------------------------------------------ affinity model pieces

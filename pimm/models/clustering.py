@@ -32,6 +32,7 @@ from pimm.utils.errors import ConfigError
 from .point_ops import connected_components, event_grid_coord, neighbor_pairs, scatter_mean, voxelize
 
 __all__ = [
+    "absorb_small_clusters",
     "average_linkage",
     "cluster_instances",
     "compact_labels",
@@ -200,6 +201,9 @@ def cluster_instances(
     merge_radius: float | Sequence[float] | torch.Tensor,
     min_points: int = 1,
     stuff_classes: Sequence[int] = (),
+    class_groups: Sequence[int] | None = None,
+    cross_class_radius: float = 0.0,
+    absorb_points: int = 0,
 ) -> torch.Tensor:
     """PointGroupLite's grouping: vote fragments merged by vote hashing.
 
@@ -212,6 +216,16 @@ def cluster_instances(
             diffuse and their votes scatter more than a track's), or a
             ``(events, classes)`` tensor: one per event and class (a policy
             choosing radii event by event, :mod:`pimm.models.grpo.cluster_policy`).
+        class_groups: optional graph of every class (one per class, e.g.
+            ``(0, 1, 1, 1, 4)``): classes sharing a graph are clustered
+            together, so a particle with a few voxels of the wrong predicted
+            class is not cut apart; an edge between voxels of two different
+            classes then needs votes within ``cross_class_radius`` (0: such
+            edges are never kept, only the merging stage can join across
+            classes). Agreement radii follow each point's own class, merge
+            radii the graph's class. Default: every class its own graph.
+        absorb_points: clusters of at most this many points join the larger
+            cluster they touch most (:func:`absorb_small_clusters`); 0: off.
 
     Returns (N,) long instance ids, unique across the batch, -1 = unassigned.
     """
@@ -220,11 +234,73 @@ def cluster_instances(
         return torch.full_like(semantic, -1)
     num_classes = int(semantic.max()) + 1
     sem = semantic[idx]
-    group = batch[idx] * num_classes + sem  # one graph per (event, class)
+    graph_class = sem
+    if class_groups is not None:
+        graph_class = _class_group_table(class_groups, num_classes, sem)[sem]
+    group = batch[idx] * num_classes + graph_class  # one graph per (event, class group)
     votes = shifted[idx]
     num_events = int(batch.max()) + 1
     agree_r = radius_table(agree_radius, num_events, num_classes, votes)
     merge_r = radius_table(merge_radius, num_events, num_classes, votes)
-    frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[group])
+
+    def same_class_or_agree(inverse, a, b):
+        vsem = torch.empty(int(inverse.max()) + 1, dtype=sem.dtype, device=sem.device).scatter_(0, inverse, sem)
+        if cross_class_radius <= 0:
+            return vsem[a] == vsem[b]
+        vvote = scatter_mean(votes, inverse, vsem.shape[0])
+        return (vsem[a] == vsem[b]) | ((vvote[a] - vvote[b]).norm(dim=1) <= cross_class_radius)
+
+    edge_test = same_class_or_agree if class_groups is not None else None
+    frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[batch[idx] * num_classes + sem], edge_test)
     merged = merge_by_votes(frag, votes, group, merge_r)
-    return finish_labels(merged[frag], idx, semantic.shape[0], min_points)
+    labels = finish_labels(merged[frag], idx, semantic.shape[0], min_points)
+    return absorb_small_clusters(coord, labels, batch, grid_size, absorb_points) if absorb_points > 0 else labels
+
+
+def _class_group_table(class_groups: Sequence[int], num_classes: int, like: torch.Tensor) -> torch.Tensor:
+    """``class_groups`` as a tensor indexed by class (checked)."""
+    if len(class_groups) < num_classes or any(not 0 <= int(g) < len(class_groups) for g in class_groups):
+        raise ConfigError(f"cluster_instances: class_groups={tuple(class_groups)} must give one graph class "
+                          f"(a class id) per class for {num_classes} classes")
+    return torch.tensor([int(g) for g in class_groups], dtype=like.dtype, device=like.device)
+
+
+def absorb_small_clusters(coord: torch.Tensor, labels: torch.Tensor, batch: torch.Tensor, grid_size: float,
+                          max_points: int) -> torch.Tensor:
+    """Join every cluster of at most ``max_points`` points to the larger
+    cluster it touches most (26-neighbour voxel contacts, any class).
+
+    A few voxels of a particle predicted as another class (a muon's voxels
+    called Michel or delta) form a separate small cluster, which is a false
+    instance and splits the true one; joining it to the particle it sits on
+    repairs both. Clusters that touch no larger cluster stay as they are.
+    ``labels`` (N,) are instance ids unique across the batch, -1 = none
+    (such points neither absorb nor are absorbed). One round: a small
+    cluster never joins another small one. Returns (N,) ids.
+    """
+    if max_points < 1:
+        return labels
+    idx = torch.nonzero(labels >= 0).squeeze(1)
+    if idx.numel() == 0:
+        return labels
+    lab = compact_labels(labels[idx])
+    size = torch.bincount(lab)
+    vgrid, vbatch, inverse = voxelize(event_grid_coord(coord[idx], batch[idx], grid_size), batch[idx])
+    # Each voxel takes the label of (one of) its points.
+    vlab = torch.empty(vgrid.shape[0], dtype=lab.dtype, device=lab.device).scatter_(0, inverse, lab)
+    a, b, _ = neighbor_pairs(vgrid, vbatch, NEIGHBORS_26.to(vgrid.device))
+    la, lb = vlab[a], vlab[b]
+    touch = (la != lb) & (size[la] <= max_points) & (size[lb] > size[la])
+    if not bool(touch.any()):
+        return labels
+    num = int(size.numel())
+    # Contacts per (small cluster, neighbour); each small cluster picks the
+    # neighbour with most contacts (ties: the larger neighbour id).
+    pair, count = torch.unique(la[touch] * num + lb[touch], return_counts=True)
+    small, target = pair // num, pair % num
+    best = torch.full((num,), -1, dtype=torch.long, device=lab.device)
+    best.scatter_reduce_(0, small, count * num + target, reduce="amax")
+    new = torch.where(best >= 0, best % num, torch.arange(num, device=lab.device))
+    out = labels.clone()
+    out[idx] = compact_labels(new[lab])
+    return out
