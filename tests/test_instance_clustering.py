@@ -155,10 +155,9 @@ def test_absorb_small_clusters_joins_specks_to_the_particle_they_sit_on():
     assert same_partition(two, [0] * 12 + [1] * 2)
 
 
-def test_class_groups_keep_a_track_whole_through_misclassified_voxels():
-    # A 20-voxel track voting for one centroid; voxels 8-10 predicted as class 3
-    # (delta). A real delta (class 3) leaves the track at voxel 15 with its own
-    # centroid.
+def test_cluster_instances_absorbs_a_misclassified_speck():
+    # A 20-voxel track voting for one centroid with voxels 8-10 predicted as
+    # class 3 (delta), and a real 5-voxel delta leaving the track at voxel 15.
     track = line([0, 0, 0], [1, 0, 0], 20)
     delta = line([15, 1, 0], [0, 1, 0], 5)
     coord = torch.cat([track, delta])
@@ -167,19 +166,11 @@ def test_class_groups_keep_a_track_whole_through_misclassified_voxels():
     semantic[8:11] = 3
     batch = torch.zeros(25, dtype=torch.long)
     truth = [0] * 20 + [1] * 5
-    per_class = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0)
-    assert not same_partition(per_class, truth)  # the speck is its own instance
-    grouped = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, class_groups=(0, 1, 1, 1, 4),
-                                cross_class_radius=2.0)
-    assert same_partition(grouped, truth)
-    # Without a cross-class radius only merging joins across classes: the
-    # speck's votes equal the track's, so it joins; the delta's do not.
-    assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0,
-                                            class_groups=(0, 1, 1, 1, 4)), truth)
-    # Absorbing small clusters repairs the per-class result as well.
+    assert not same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0), truth)
     assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, absorb_points=3), truth)
-    with pytest.raises(ConfigError, match="class_groups"):
-        cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, class_groups=(0, 1))
+    # A threshold below the real delta's size keeps it; above, it is swallowed too.
+    assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, absorb_points=5),
+                          [0] * 25)
 
 
 # ------------------------------------------------------------ affinity model pieces

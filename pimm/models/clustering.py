@@ -16,6 +16,9 @@ Both models cluster per event and per predicted class in two stages:
    mean affinity over all their point pairs is above a threshold. The
    affinity is trained as the probability that two points belong to one
    instance, so 0.5 is its natural threshold.
+3. optionally (``absorb_points``), clusters of a few points join the larger
+   cluster they touch most (:func:`absorb_small_clusters`): a few voxels of
+   a particle predicted as another class are not a particle of their own.
 
 Everything is tensor code: no Python loop over points or voxels (only over
 events, and over agglomeration rounds, each of which merges many clusters).
@@ -201,8 +204,6 @@ def cluster_instances(
     merge_radius: float | Sequence[float] | torch.Tensor,
     min_points: int = 1,
     stuff_classes: Sequence[int] = (),
-    class_groups: Sequence[int] | None = None,
-    cross_class_radius: float = 0.0,
     absorb_points: int = 0,
 ) -> torch.Tensor:
     """PointGroupLite's grouping: vote fragments merged by vote hashing.
@@ -216,16 +217,9 @@ def cluster_instances(
             diffuse and their votes scatter more than a track's), or a
             ``(events, classes)`` tensor: one per event and class (a policy
             choosing radii event by event, :mod:`pimm.models.grpo.cluster_policy`).
-        class_groups: optional graph of every class (one per class, e.g.
-            ``(0, 1, 1, 1, 4)``): classes sharing a graph are clustered
-            together, so a particle with a few voxels of the wrong predicted
-            class is not cut apart; an edge between voxels of two different
-            classes then needs votes within ``cross_class_radius`` (0: such
-            edges are never kept, only the merging stage can join across
-            classes). Agreement radii follow each point's own class, merge
-            radii the graph's class. Default: every class its own graph.
-        absorb_points: clusters of at most this many points join the larger
-            cluster they touch most (:func:`absorb_small_clusters`); 0: off.
+        absorb_points: clusters of at most this many points then join the
+            larger cluster they touch most, whatever its class
+            (:func:`absorb_small_clusters`); 0: off.
 
     Returns (N,) long instance ids, unique across the batch, -1 = unassigned.
     """
@@ -234,35 +228,15 @@ def cluster_instances(
         return torch.full_like(semantic, -1)
     num_classes = int(semantic.max()) + 1
     sem = semantic[idx]
-    graph_class = sem
-    if class_groups is not None:
-        graph_class = _class_group_table(class_groups, num_classes, sem)[sem]
-    group = batch[idx] * num_classes + graph_class  # one graph per (event, class group)
+    group = batch[idx] * num_classes + sem  # one graph per (event, class)
     votes = shifted[idx]
     num_events = int(batch.max()) + 1
     agree_r = radius_table(agree_radius, num_events, num_classes, votes)
     merge_r = radius_table(merge_radius, num_events, num_classes, votes)
-
-    def same_class_or_agree(inverse, a, b):
-        vsem = torch.empty(int(inverse.max()) + 1, dtype=sem.dtype, device=sem.device).scatter_(0, inverse, sem)
-        if cross_class_radius <= 0:
-            return vsem[a] == vsem[b]
-        vvote = scatter_mean(votes, inverse, vsem.shape[0])
-        return (vsem[a] == vsem[b]) | ((vvote[a] - vvote[b]).norm(dim=1) <= cross_class_radius)
-
-    edge_test = same_class_or_agree if class_groups is not None else None
-    frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[batch[idx] * num_classes + sem], edge_test)
+    frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[group])
     merged = merge_by_votes(frag, votes, group, merge_r)
     labels = finish_labels(merged[frag], idx, semantic.shape[0], min_points)
     return absorb_small_clusters(coord, labels, batch, grid_size, absorb_points) if absorb_points > 0 else labels
-
-
-def _class_group_table(class_groups: Sequence[int], num_classes: int, like: torch.Tensor) -> torch.Tensor:
-    """``class_groups`` as a tensor indexed by class (checked)."""
-    if len(class_groups) < num_classes or any(not 0 <= int(g) < len(class_groups) for g in class_groups):
-        raise ConfigError(f"cluster_instances: class_groups={tuple(class_groups)} must give one graph class "
-                          f"(a class id) per class for {num_classes} classes")
-    return torch.tensor([int(g) for g in class_groups], dtype=like.dtype, device=like.device)
 
 
 def absorb_small_clusters(coord: torch.Tensor, labels: torch.Tensor, batch: torch.Tensor, grid_size: float,

@@ -78,10 +78,9 @@ class PointGroupLite(nn.Module):
             voxels are O(1) for the network.
         offset_weight, direction_weight: weights of the L1 offset loss and the
             (1 - cosine) direction loss.
-        agree_radius, merge_radius, min_points, stuff_classes, class_groups,
-            cross_class_radius, absorb_points: clustering parameters
-            (coordinate units; the radii may be per-class tuples), see
-            :func:`cluster_instances`.
+        agree_radius, merge_radius, min_points, stuff_classes, absorb_points:
+            clustering parameters (coordinate units; the radii may be
+            per-class tuples), see :func:`cluster_instances`.
 
     ``forward`` returns ``seg_logits``, ``offset_pred``, ``loss`` (when
     ``segment`` and ``instance`` are given) and, in eval mode,
@@ -101,8 +100,6 @@ class PointGroupLite(nn.Module):
         merge_radius: float | Sequence[float] = 8.0,
         min_points: int = 1,
         stuff_classes: Sequence[int] = (),
-        class_groups: Sequence[int] | None = None,
-        cross_class_radius: float = 0.0,
         absorb_points: int = 0,
     ):
         super().__init__()
@@ -126,12 +123,8 @@ class PointGroupLite(nn.Module):
         self.merge_radius = tuple(merge_radius) if isinstance(merge_radius, (list, tuple)) else float(merge_radius)
         self.min_points = int(min_points)
         self.stuff_classes = tuple(int(c) for c in stuff_classes)
-        self.class_groups = None if class_groups is None else tuple(int(g) for g in class_groups)
-        if self.class_groups is not None and (len(self.class_groups) != self.num_classes
-                                              or not all(0 <= g < self.num_classes for g in self.class_groups)):
-            raise ConfigError(f"PointGroupLite: class_groups must give one class id per class "
-                              f"({self.num_classes}), got {class_groups}")
-        self.cross_class_radius = float(cross_class_radius)
+        if int(absorb_points) < 0:
+            raise ConfigError(f"PointGroupLite: absorb_points must be >= 0 (0: off), got {absorb_points}")
         self.absorb_points = int(absorb_points)
 
     def offset_loss(self, offset_pred: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -155,6 +148,6 @@ class PointGroupLite(nn.Module):
                 out["instance_pred"] = cluster_instances(
                     coord, coord + offset_pred, seg_logits.argmax(1), batch, self.grid_size,
                     self.agree_radius, self.merge_radius, self.min_points, self.stuff_classes,
-                    self.class_groups, self.cross_class_radius, self.absorb_points,
+                    self.absorb_points,
                 )
         return out
