@@ -173,6 +173,29 @@ def test_cluster_instances_absorbs_a_misclassified_speck():
                           [0] * 25)
 
 
+def test_min_points_per_class_applies_after_absorption():
+    # Class 1: a 6-voxel track and an isolated 3-voxel piece; class 3: a
+    # 3-voxel delta on the track's end and a 1-voxel speck inside the track.
+    track = line([0, 0, 0], [1, 0, 0], 7)
+    piece = line([30, 30, 30], [1, 0, 0], 3)
+    delta = line([7, 1, 0], [0, 1, 0], 3)
+    coord = torch.cat([track, piece, delta])
+    votes = torch.cat([torch.tensor([[3.0, 0, 0]]).repeat(7, 1), torch.tensor([[31.0, 30, 30]]).repeat(3, 1),
+                       torch.tensor([[7.0, 2, 0]]).repeat(3, 1)])
+    semantic = torch.tensor([1] * 7 + [1] * 3 + [3] * 3)
+    semantic[3] = 3  # the speck
+    batch = torch.zeros(13, dtype=torch.long)
+    out = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, min_points=(1, 5, 1, 2, 1),
+                            absorb_points=1)
+    # The speck joins the track (absorbed before the track's threshold of 5 is
+    # checked), the isolated 3-voxel track piece is dropped, the delta kept.
+    assert (out[7:10] == -1).all()
+    assert same_partition(out[[0, 1, 2, 3, 4, 5, 6, 10, 11, 12]], [0] * 7 + [1] * 3)
+    # A single number still works as before.
+    out = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, min_points=4)
+    assert (out[3] == -1) and (out[7:] == -1).all() and (out[[0, 1, 2, 4, 5, 6]] >= 0).all()
+
+
 # ------------------------------------------------------------ affinity model pieces
 def test_sample_partner_pairs_stay_in_their_group():
     group = torch.tensor([3, 3, 1, 1, 1, 7, 3, 1])

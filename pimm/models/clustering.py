@@ -39,6 +39,7 @@ __all__ = [
     "average_linkage",
     "cluster_instances",
     "compact_labels",
+    "drop_small_clusters",
     "finish_labels",
     "merge_by_votes",
     "per_class",
@@ -194,6 +195,25 @@ def finish_labels(labels: torch.Tensor, idx: torch.Tensor, num_points: int, min_
     return out
 
 
+def drop_small_clusters(labels: torch.Tensor, point_min: torch.Tensor) -> torch.Tensor:
+    """Unassign (-1) the clusters smaller than their threshold: ``point_min``
+    (N,) gives one per point, a cluster uses the smallest among its points.
+    Ids are compacted."""
+    out = labels.clone()
+    valid = torch.nonzero(labels >= 0).squeeze(1)
+    if valid.numel() == 0:
+        return out
+    lab = compact_labels(labels[valid])
+    num = int(lab.max()) + 1
+    need = torch.full((num,), torch.inf, dtype=point_min.dtype, device=lab.device)
+    need.scatter_reduce_(0, lab, point_min[valid], reduce="amin")
+    keep = torch.bincount(lab, minlength=num).to(need.dtype) >= need
+    out[valid] = torch.where(keep[lab], lab, torch.full_like(lab, -1))
+    kept = out >= 0
+    out[kept] = compact_labels(out[kept])
+    return out
+
+
 def cluster_instances(
     coord: torch.Tensor,
     shifted: torch.Tensor,
@@ -202,7 +222,7 @@ def cluster_instances(
     grid_size: float,
     agree_radius: float | Sequence[float] | torch.Tensor,
     merge_radius: float | Sequence[float] | torch.Tensor,
-    min_points: int = 1,
+    min_points: int | Sequence[int] = 1,
     stuff_classes: Sequence[int] = (),
     absorb_points: int = 0,
 ) -> torch.Tensor:
@@ -217,6 +237,9 @@ def cluster_instances(
             diffuse and their votes scatter more than a track's), or a
             ``(events, classes)`` tensor: one per event and class (a policy
             choosing radii event by event, :mod:`pimm.models.grpo.cluster_policy`).
+        min_points: clusters with fewer points are unassigned (-1); one
+            number or one per class (a cluster holding several classes after
+            absorption uses the smallest of theirs). Applied after absorption.
         absorb_points: clusters of at most this many points then join the
             larger cluster they touch most, whatever its class
             (:func:`absorb_small_clusters`); 0: off.
@@ -235,8 +258,12 @@ def cluster_instances(
     merge_r = radius_table(merge_radius, num_events, num_classes, votes)
     frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[group])
     merged = merge_by_votes(frag, votes, group, merge_r)
-    labels = finish_labels(merged[frag], idx, semantic.shape[0], min_points)
-    return absorb_small_clusters(coord, labels, batch, grid_size, absorb_points) if absorb_points > 0 else labels
+    if isinstance(min_points, int) and absorb_points <= 0:
+        return finish_labels(merged[frag], idx, semantic.shape[0], min_points)
+    labels = finish_labels(merged[frag], idx, semantic.shape[0], 1)
+    if absorb_points > 0:
+        labels = absorb_small_clusters(coord, labels, batch, grid_size, absorb_points)
+    return drop_small_clusters(labels, per_class(min_points, num_classes, votes)[semantic])
 
 
 def absorb_small_clusters(coord: torch.Tensor, labels: torch.Tensor, batch: torch.Tensor, grid_size: float,

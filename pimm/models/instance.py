@@ -98,7 +98,7 @@ class PointGroupLite(nn.Module):
         direction_weight: float = 1.0,
         agree_radius: float | Sequence[float] = 4.0,
         merge_radius: float | Sequence[float] = 8.0,
-        min_points: int = 1,
+        min_points: int | Sequence[int] = 1,
         stuff_classes: Sequence[int] = (),
         absorb_points: int = 0,
     ):
@@ -121,7 +121,8 @@ class PointGroupLite(nn.Module):
         self.direction_weight = float(direction_weight)
         self.agree_radius = tuple(agree_radius) if isinstance(agree_radius, (list, tuple)) else float(agree_radius)
         self.merge_radius = tuple(merge_radius) if isinstance(merge_radius, (list, tuple)) else float(merge_radius)
-        self.min_points = int(min_points)
+        self.min_points = tuple(int(m) for m in min_points) if isinstance(min_points, (list, tuple)) \
+            else int(min_points)
         self.stuff_classes = tuple(int(c) for c in stuff_classes)
         if int(absorb_points) < 0:
             raise ConfigError(f"PointGroupLite: absorb_points must be >= 0 (0: off), got {absorb_points}")
