@@ -147,3 +147,5 @@ def test_point_trainers_under_fsdp_train_like_ddp(tmp_path, text, metric):
     for key in a:
         torch.testing.assert_close(a[key].float(), b[key].float(), atol=1e-4, rtol=0, msg=key)
     assert [r[metric] for r in _records(runs["fsdp"]) if metric in r]
+    newest = sorted((runs["fsdp"] / "checkpoints").glob("step*"))[-1]
+    assert json.loads((newest / "COMMITTED").read_text())["sharded"] == ["model", "optimizer"]  # really FSDP
