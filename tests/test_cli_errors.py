@@ -175,6 +175,8 @@ CASES = [
               "PIMM_DIST_INIT_TIMEOUT": "3"}),
     Case("evaluator_without_val_split", ("ClsEvaluator", "data.val"), options=("data.val=None",)),
     Case("empty_training_set", ("data.train (ToyDataset) is empty",), options=("data.train.num_samples=0",)),
+    Case("empty_val_split_with_an_evaluator", ("data.val (ToyDataset) is empty", "ClsEvaluator"),
+         options=("data.val.num_samples=0",)),
     Case("model_files_of_an_earlier_run", ("already holds model files", "resume=True"), setup=_model_best_only,
          verify=_left_unchanged),
     Case("resume_with_only_damaged_checkpoints", ("step000000010-epoch0000", "step000000005-epoch0000",

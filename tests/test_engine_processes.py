@@ -81,3 +81,31 @@ def test_empty_hook_list_warns_that_nothing_will_be_saved(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hooks = []: nothing will log the training loss, evaluate or save checkpoints" in result.stdout
     assert not (save / "checkpoints").exists()
+
+
+def test_attempt_provenance_reads_commit_dirty_flag_and_diff_hash_from_a_checkout(tmp_path):
+    """attempts.jsonl's ``git`` field: the checkout's commit; ``dirty`` and a
+    hash that changes with the uncommitted diff; untracked files count; None
+    outside a checkout."""
+    from pimm.engines.run_dir import _git_info
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    assert _git_info(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "train.py").write_text("lr = 0.1\n")
+    git("add", "train.py")
+    git("commit", "-qm", "first")
+    clean = _git_info(tmp_path)
+    assert clean == {"commit": git("rev-parse", "HEAD"), "dirty": False}
+    (tmp_path / "train.py").write_text("lr = 0.2\n")
+    first = _git_info(tmp_path)
+    (tmp_path / "train.py").write_text("lr = 0.3\n")
+    second = _git_info(tmp_path)
+    assert first["dirty"] and second["dirty"] and first["commit"] == second["commit"] == clean["commit"]
+    assert len(first["diff_sha256"]) == 16 and first["diff_sha256"] != second["diff_sha256"]
+    git("checkout", "-q", "train.py")
+    (tmp_path / "notes.py").write_text("x = 1\n")
+    assert _git_info(tmp_path)["dirty"]

@@ -110,6 +110,32 @@ def test_lifecycle_call_order_over_two_epochs(tmp_path):
     assert trainer.global_step == 2 * STEPS_PER_EPOCH
 
 
+@HOOKS.register_module(force=True)
+class IterProbe(HookBase):
+    """Records ``comm_info["iter"]`` and ``trainer.iter`` around every step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def before_step(self):
+        self.seen.append(("before", self.trainer.epoch, self.trainer.iter, self.trainer.comm_info.get("iter")))
+
+    def after_step(self):
+        self.seen.append(("after", self.trainer.epoch, self.trainer.iter, self.trainer.comm_info["iter"]))
+
+
+def test_comm_info_iter_is_the_step_inside_the_epoch(tmp_path):
+    """docs/contract.md: ``iter`` counts the optimizer steps done in the current
+    epoch; after_step sees this step counted, and it restarts each epoch."""
+    trainer = make_trainer(tmp_path, '[dict(type="IterProbe")]')
+    trainer.train()
+    probe = next(h for h in trainer.hooks if isinstance(h, IterProbe))
+    after = [(epoch, it, info) for kind, epoch, it, info in probe.seen if kind == "after"]
+    assert after == [(epoch, i, i) for epoch in range(2) for i in range(1, STEPS_PER_EPOCH + 1)]
+    before = [(epoch, it) for kind, epoch, it, _ in probe.seen if kind == "before"]
+    assert before == [(epoch, i) for epoch in range(2) for i in range(STEPS_PER_EPOCH)]
+
+
 # ----------------------------------------------------------------------------- priorities
 
 

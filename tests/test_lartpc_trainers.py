@@ -125,3 +125,27 @@ def test_ratio_sampler_shards_and_seeds_do_not_depend_on_world_size():
     assert interleaved == list(single)
     single.set_epoch(1)
     assert list(single) != interleaved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text,metric", [(INSEG, "val/ARI"), (MULTI, "val/mIoU")], ids=["inseg", "multi"])
+def test_point_trainers_under_fsdp_train_like_ddp(tmp_path, text, metric):
+    """InsegTrainer and MultiDatasetTrainer with ``parallel.strategy=fsdp`` on
+    two processes: the same losses and weights as DDP to float rounding (the
+    sparse U-Net's BatchNorm statistics included), and the evaluation runs."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        save = tmp_path / strategy
+        result = run_tool("train", _write(tmp_path, text, save), f"parallel.strategy={strategy}", num_gpus=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[strategy] = save
+    ddp, fsdp = train_losses(runs["ddp"]), train_losses(runs["fsdp"])
+    assert [s for s, _ in fsdp] == [s for s, _ in ddp] and len(ddp) > 0
+    torch.testing.assert_close(torch.tensor([v for _, v in fsdp]), torch.tensor([v for _, v in ddp]), atol=1e-4, rtol=0)
+    a, b = final_weights(runs["fsdp"])["state_dict"], final_weights(runs["ddp"])["state_dict"]
+    assert list(a) == list(b) and any("running_mean" in key for key in a)
+    for key in a:
+        torch.testing.assert_close(a[key].float(), b[key].float(), atol=1e-4, rtol=0, msg=key)
+    assert [r[metric] for r in _records(runs["fsdp"]) if metric in r]
+    newest = sorted((runs["fsdp"] / "checkpoints").glob("step*"))[-1]
+    assert json.loads((newest / "COMMITTED").read_text())["sharded"] == ["model", "optimizer"]  # really FSDP

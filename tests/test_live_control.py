@@ -290,7 +290,7 @@ hooks = [
     dict(type="InformationWriter", log_frequency=4),
     dict(type="ClsEvaluator", num_classes=2),
     dict(type="LiveControl", poll_every=4),
-    dict(type="CheckpointSaver", save_freq=5),
+    dict(type="CheckpointSaver", save_freq=5, async_write=False),  # the step-15 save is committed before step 18
     dict(type="WriteFileAtStep", step=13, name="control.json",
          text='{"revision": 2, "lr": 0.001, "log_frequency": 2, "eval_every_n_steps": 3}'),
     dict(type="KillAtStep", step=10**9),

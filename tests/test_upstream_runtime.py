@@ -114,3 +114,36 @@ def test_test_only_scores_weights_without_training(tmp_path):
 def test_upstream_hooks_pimm_does_not_ship_say_what_to_use(tmp_path):
     with pytest.raises(RegistryError, match="'GarbageHandler' is not available in pimm: use empty_cache=True"):
         make_trainer(tmp_path, "hooks = hooks + [dict(type='GarbageHandler')]\n")
+
+
+def _recorded_seed(save_path: Path):
+    from pimm.utils.config import Config
+    return Config.fromfile(str(save_path / "config.py")).seed
+
+
+@pytest.mark.slow
+def test_seed_none_is_drawn_recorded_and_reused_on_resume(tmp_path):
+    """``seed=None``: a new run draws a seed and config.py records it; a resumed
+    run with ``seed=None`` reuses the recorded one (not a new draw), so the
+    resumed run's random streams are the original run's."""
+    cfg = write_toy_config(tmp_path, tmp_path / "run", SMALL + "seed = None\nepoch = 1\n")
+    first = run_tool("train", cfg)
+    assert first.returncode == 0, first.stderr
+    seed = _recorded_seed(tmp_path / "run")
+    assert isinstance(seed, int) and 0 <= seed < 2**31
+    resumed = run_tool("train", cfg, "resume=True", "epoch=2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _recorded_seed(tmp_path / "run") == seed
+    assert (tmp_path / "run" / "train.log").read_text().count(f"seed {seed})") == 2  # both attempts
+    (tmp_path / "o").mkdir()
+    other = run_tool("train", write_toy_config(tmp_path / "o", tmp_path / "other", SMALL + "seed = None\nepoch = 1\n"))
+    assert other.returncode == 0, other.stderr
+    assert _recorded_seed(tmp_path / "other") != seed  # a fresh draw (equal with probability 2**-31)
+
+
+def test_batch_size_test_sizes_the_test_loader_only(tmp_path):
+    """``batch_size_test`` (upstream's key) is the test loader's global batch
+    size; validation keeps batch_size_val / batch_size."""
+    trainer = make_trainer(tmp_path, options=["batch_size_test=5", "batch_size_val=8"])
+    assert len(trainer.test_loader) == 10  # 48 test samples / 5, the last batch short
+    assert len(trainer.val_loader) == 4  # 32 val samples / 8

@@ -45,6 +45,17 @@ def resolve_signals(names: Iterable[str], key: str = "preempt_signals") -> list[
 
 
 class StopControl:
+    """The trainer's stop flags: requests (:meth:`request`) and pre-emption
+    signals, agreed across ranks at a step boundary (see the module docstring).
+
+    Args:
+        preempt_signals: signal names that mean "checkpoint and exit 75".
+        check_every: steps between the all-reduces that agree on a stop when
+            several processes run (a single process checks every step).
+
+    The loop reads only ``pending`` per step; ``reason`` is the first request's
+    reason and ``preempted`` tells a signal from a request.
+    """
     def __init__(self, preempt_signals: Iterable[str] = ("SIGTERM",), check_every: int = 10):
         self.signals = resolve_signals(preempt_signals)
         self.check_every = max(1, int(check_every))

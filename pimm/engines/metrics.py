@@ -73,6 +73,10 @@ def reduce_op_by_suffix(name: str) -> str:
 
 @dataclass
 class BestMetric:
+    """The best value so far of the metric that selects ``model_best.pth``:
+    its ``name``, ``mode`` (``"max"`` or ``"min"``, from the metric's declared
+    direction), ``value`` and the ``step`` it was reached at. NaN is never better.
+    """
     name: str | None = None
     mode: str | None = None
     value: float | None = None
@@ -87,6 +91,23 @@ class BestMetric:
 
 
 class MetricChannel:
+    """The one typed channel hooks and trainers share scalars through.
+
+    Values are published per step with a reduce op (:meth:`publish`,
+    :meth:`put`), kept on the device, and reduced across ranks in one collective
+    per op at :meth:`flush` (which every rank must call at the same points); the
+    reduced records go to ``sink`` (the writer). Metric directions are declared
+    once (:meth:`declare`) and shared by best-checkpoint selection and early
+    stopping; the best value lives in ``best`` and is part of the checkpoint.
+
+    Args:
+        sink: called with the flushed records and their kinds (None: nowhere).
+        max_pending: flush by itself once this many records are buffered.
+        window: length of the per-tag windows that :meth:`mean` averages.
+        watch_finite: tags whose non-finite value stops the run
+            (:class:`NonFiniteMetric`).
+        tracer: records each flush as a ``metric_sync`` span.
+    """
     def __init__(self, sink: Callable[[list[dict], list[tuple]], None] | None = None, max_pending: int = 1000,
                  window: int = 20, watch_finite: tuple[str, ...] = ("train/loss",), tracer=None):
         self.sink = sink

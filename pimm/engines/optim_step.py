@@ -30,6 +30,7 @@ __all__ = ["OptimStep", "StepResult"]
 
 
 class StepResult(NamedTuple):
+    """What one :meth:`OptimStep.step` did, for the trainer and after_step hooks."""
     grad_norm: torch.Tensor | None  # total 2-norm before clipping (None: not computed)
     stepped: bool  # False when the GradScaler skipped a step with inf/NaN gradients, or skip() was called
     lr: float  # the learning rate of the first param group that this update used
@@ -72,9 +73,15 @@ class OptimStep:
         return self._pause_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss``, scaled by the GradScaler when one is in use."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> StepResult:
+        """Finish the update from the accumulated gradients: unscale, call
+        ``on_gradients`` (the after_backward hooks), clip or measure the norm,
+        step the optimizer (unless :meth:`skip` was called or the GradScaler
+        finds inf/NaN), zero the gradients, and advance the scheduler only when
+        the optimizer really stepped."""
         scaler = self.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)

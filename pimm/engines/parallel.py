@@ -44,6 +44,12 @@ _PRECISION_KEYS = ("param_dtype", "reduce_dtype")
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """The validated ``parallel`` runtime key (see :func:`check_parallel`):
+    ``strategy`` ``"ddp"`` or ``"fsdp"``; for FSDP, the class names of the
+    submodules that become units of their own (``shard_modules``), whether
+    parameters are freed after forward, and the mixed-precision dtypes of
+    parameters and gradient reduction (None: float32).
+    """
     strategy: str = "ddp"
     shard_modules: tuple[str, ...] | None = None
     reshard_after_forward: bool = True

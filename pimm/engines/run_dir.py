@@ -86,10 +86,10 @@ def write_config(cfg) -> Path:
     return path
 
 
-def _git_info() -> dict | None:
+def _git_info(root: Path | None = None) -> dict | None:
     """Commit, dirty flag and a hash of the uncommitted diff of the checkout
-    pimm runs from (None outside a git checkout)."""
-    root = Path(__file__).resolve().parents[2]
+    pimm runs from, or of ``root`` (None outside a git checkout)."""
+    root = Path(__file__).resolve().parents[2] if root is None else Path(root)
     if not (root / ".git").exists():
         return None
 

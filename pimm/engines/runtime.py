@@ -168,6 +168,11 @@ def _dict_or_none(key, value):
 
 @dataclass(frozen=True)
 class RuntimeKey:
+    """One runtime key of the engine: its ``name``, ``default``, ``check``
+    (``check(key, value)`` returns the normalised value or raises a one-line
+    ConfigError) and the ``doc`` line that ``configs/_base_/default_runtime.py``
+    and the docs are generated from.
+    """
     name: str
     default: Any
     check: Callable[[str, Any], Any]

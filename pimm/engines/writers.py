@@ -32,6 +32,18 @@ REWOUND_FILE = "metrics.rewound.jsonl"
 
 
 class MetricsWriter:
+    """Rank 0's outputs for flushed metrics: ``metrics.jsonl`` (every record,
+    non-finite values as ``null``), TensorBoard (one event per logging window)
+    and, with ``use_wandb``, a W&B run whose id is chosen here so that the first
+    checkpoint carries it and a resume continues the same run. On other ranks it
+    writes nothing.
+
+    Args:
+        save_path: the run directory.
+        enable_tensorboard: write ``save_path/tensorboard``.
+        use_wandb: also log to W&B (offline with ``WANDB_MODE=offline``).
+        wandb_init: extra ``wandb.init`` arguments.
+    """
     def __init__(
         self,
         save_path: str | Path,

@@ -19,6 +19,14 @@ __all__ = ["InformationWriter"]
 
 @HOOKS.register_module()
 class InformationWriter(HookBase):
+    """Flush the metric channel and log a line every ``log_frequency`` steps
+    and at each epoch end (see the module docstring).
+
+    Args:
+        log_frequency: steps between flushes (each is a cross-rank collective).
+        max_extras: how many other ``train/*`` scalars a log line shows beside
+            loss and lr.
+    """
     def __init__(self, log_frequency: int = 20, max_extras: int = 12):
         for name, value in (("log_frequency", log_frequency), ("max_extras", max_extras)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "log_frequency" else 0):

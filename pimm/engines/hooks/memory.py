@@ -14,6 +14,8 @@ __all__ = ["EmptyCache"]
 
 @HOOKS.register_module()
 class EmptyCache(HookBase):
+    """Call ``torch.cuda.empty_cache()`` after every step (``per_step``) and/or
+    every epoch (``per_epoch``); a phase switched off is not dispatched at all."""
     priority = "LOWEST"
 
     def __init__(self, per_step: bool = False, per_epoch: bool = True):

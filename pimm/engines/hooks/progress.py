@@ -17,6 +17,8 @@ __all__ = ["ProgressBar"]
 
 @HOOKS.register_module()
 class ProgressBar(HookBase):
+    """A tqdm bar per epoch on rank 0 when stderr is a terminal (``force=True``:
+    always); otherwise inert."""
     priority = "LOW"
 
     def __init__(self, force: bool = False):

@@ -13,6 +13,9 @@ __all__ = ["IterationTimer"]
 
 @HOOKS.register_module()
 class IterationTimer(HookBase):
+    """Publish ``time/step`` and ``time/eta`` each step; the first
+    ``warmup_iter`` steps (start-up, compilation, allocator warm-up) are left out
+    of the average that the ETA is based on."""
     # Before the writers (NORMAL) so a log line at this step sees this step's timing.
     priority = "HIGH"
 

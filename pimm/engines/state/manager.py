@@ -191,6 +191,10 @@ def _step_of(path: Path) -> int:
 
 
 class LoadedCheckpoint:
+    """A committed checkpoint as read for a restore: its folder (``path``), the
+    verified ``manifest``, the ``common`` state written once by rank 0 and this
+    rank's own ``rank_state`` (None when the checkpoint has no file for it).
+    """
     def __init__(self, path: Path, manifest: dict, common: dict, rank_state: dict | None):
         self.path, self.manifest, self.common, self.rank_state = path, manifest, common, rank_state
 

@@ -21,6 +21,23 @@ __all__ = ["apply_configured_groups", "ModelParticipant", "OptimizerParticipant"
            "RNGParticipant", "HooksParticipant", "MetaParticipant", "LoaderParticipant"]
 
 
+def check_model_fits(model, own_shapes: dict, saved_shapes: dict, context) -> None:
+    """One-line error when a checkpoint's weights (name -> shape, ``None``
+    where unknown) do not fit the model's: missing, unexpected, other shapes."""
+    missing = [k for k in own_shapes if k not in saved_shapes]
+    unexpected = [k for k in saved_shapes if k not in own_shapes]
+    mismatched = [f"{k} {saved_shapes[k]} vs {shape}" for k, shape in own_shapes.items()
+                  if saved_shapes.get(k) is not None and saved_shapes[k] != shape]
+    if missing or unexpected or mismatched:
+        parts = [f"{label} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected),
+                                     ("shape-mismatched", mismatched)) if keys]
+        raise CheckpointError(
+            f"checkpoint {context.path.name} does not fit model {type(model).__name__} "
+            f"({'; '.join(parts)}): the model config changed since it was saved; resume it with the "
+            "original model config, or start a new run (a new save_path) with weight=<model file>")
+
+
 class ModelParticipant:
     """Model weights; a checkpoint that does not fit the model is a one-line error."""
 
@@ -32,19 +49,8 @@ class ModelParticipant:
 
     def restore(self, state: dict, context) -> None:
         own = self.model.state_dict()
-        missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
-        mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-                      if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape]
-        if missing or unexpected or mismatched:
-            parts = [f"{label} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-                     for label, keys in (("missing", missing), ("unexpected", unexpected),
-                                         ("shape-mismatched", mismatched)) if keys]
-            raise CheckpointError(
-                f"checkpoint {context.path.name} does not fit model {type(self.model).__name__} "
-                f"({'; '.join(parts)}): the model config changed since it was saved; resume it with the "
-                "original model config, or start a new run (a new save_path) with weight=<model file>"
-            )
+        check_model_fits(self.model, {k: tuple(v.shape) for k, v in own.items()},
+                         {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in state.items()}, context)
         self.model.load_state_dict(state)
 
 

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pimm.engines.state.participants import check_model_fits
 from pimm.utils.errors import CheckpointError
 
 __all__ = ["SHARDED_DIR", "save_sharded", "sharded_loader", "saved_structure", "ShardedModelParticipant",
@@ -108,18 +109,7 @@ class ShardedModelParticipant:
 
         template = get_model_state_dict(self.model)
         saved_shapes = {path[0]: shape for path, shape in saved.items() if len(path) == 1}
-        missing = [k for k in template if k not in saved_shapes]
-        unexpected = [k for k in saved_shapes if k not in template]
-        mismatched = [f"{k} {saved_shapes[k]} vs {_shape(v)}" for k, v in template.items()
-                      if k in saved_shapes and saved_shapes[k] != _shape(v)]
-        if missing or unexpected or mismatched:
-            parts = [f"{label} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-                     for label, keys in (("missing", missing), ("unexpected", unexpected),
-                                         ("shape-mismatched", mismatched)) if keys]
-            raise CheckpointError(
-                f"checkpoint {context.path.name} does not fit model {type(self.model).__name__} "
-                f"({'; '.join(parts)}): the model config changed since it was saved; resume it with the "
-                "original model config, or start a new run (a new save_path) with weight=<model file>")
+        check_model_fits(self.model, {k: _shape(v) for k, v in template.items()}, saved_shapes, context)
         load(template)
         set_model_state_dict(self.model, template)
 

@@ -19,6 +19,11 @@ LAYOUT_FIELDS = ("world_size", "batch_size_per_rank", "grad_accum_steps", "num_w
 
 @dataclass
 class TrainState:
+    """Where the run is: completed epochs and steps, the samples consumed, and
+    the layout they were consumed with (world size, per-rank batch size,
+    accumulation, workers). It is checkpointed; a resume compares the layout to
+    warn when a different one cannot replay the data order exactly.
+    """
     epoch: int = 0  # epochs completed
     iter_in_epoch: int = 0  # optimizer steps completed inside the current epoch
     global_step: int = 0  # optimizer steps completed in the whole run

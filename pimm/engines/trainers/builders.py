@@ -115,8 +115,11 @@ class ComponentBuilders:
             raise ConfigError(f"{names} evaluate(s) on data.{split}, which is not set: add data.{split} = "
                               f"dict(type=...), or evaluate=False to train without evaluation")
         loader = self.val_loader if split == "val" else self.test_loader
-        if len(loader.dataset) == 0:
-            raise ConfigError(f"data.{split} ({type(loader.dataset).__name__}) is empty: {names} would have nothing "
+        dataset = loader.dataset
+        if isinstance(dataset, data_lib.SeededDataset):  # name the user's data set, not the wrapper
+            dataset = dataset.dataset
+        if len(dataset) == 0:
+            raise ConfigError(f"data.{split} ({type(dataset).__name__}) is empty: {names} would have nothing "
                               "to score")
 
     def build_val_loader(self):

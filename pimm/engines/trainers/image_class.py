@@ -18,6 +18,9 @@ __all__ = ["ImageClassTrainer"]
 
 @TRAINERS.register_module()
 class ImageClassTrainer(DefaultTrainer):
+    """DefaultTrainer for dense image batches: torch's default (stacking)
+    collate unless the config names one; everything else, resume included, is the
+    DefaultTrainer's."""
     def _resolve_collate(self, spec, dataset):
         if spec is None:
             return default_collate

@@ -30,6 +30,12 @@ class _Mixture(ConcatDataset):
 
 @TRAINERS.register_module()
 class MultiDatasetTrainer(DefaultTrainer):
+    """DefaultTrainer over a mixture of the ``data.train`` list.
+
+    Args:
+        ratios: sampling weight of each data set (None: in proportion to size).
+        samples_per_epoch: samples drawn per epoch (None: the data sets' total).
+    """
     def __init__(self, cfg, ratios=None, samples_per_epoch=None, **options):
         self.ratios = ratios
         self.samples_per_epoch = samples_per_epoch
