@@ -9,7 +9,7 @@ import torch
 
 from pimm.engines.registries import MODELS
 from pimm.models import instance_affinity  # noqa: F401  (registers the model)
-from pimm.models.clustering import average_linkage, cluster_instances, vote_fragments
+from pimm.models.clustering import absorb_small_clusters, average_linkage, cluster_instances, vote_fragments
 from pimm.models.instance_affinity import affinity_pair_loss, sample_partner_pairs
 from pimm.utils.errors import ConfigError
 
@@ -124,6 +124,76 @@ def test_cluster_instances_joins_shower_pieces_by_votes():
     semantic = torch.tensor([0] * 8 + [1] * 8)
     out = cluster_instances(coord, votes, semantic, torch.zeros(16, dtype=torch.long), 1.0, 2.0, 6.0)
     assert same_partition(out, [0] * 8 + [1] * 8)
+
+
+def test_absorb_small_clusters_joins_specks_to_the_particle_they_sit_on():
+    # A 12-voxel track (0) with a 2-voxel speck (1) in its middle, a 3-voxel
+    # branch (2) touching the track at one voxel and a second track (3) at
+    # the branch's far end with more contacts; an isolated 2-voxel cluster (4)
+    # and an unassigned point (-1) next to the speck.
+    # (track2 is longer than the branch, so the branch may join it.)
+    track = line([0, 0, 0], [1, 0, 0], 12)
+    branch = line([12, 1, 0], [0, 1, 0], 3)       # touches track voxel x=11
+    track2 = line([11, 4, 0], [1, 0, 0], 5)  # touches the branch's end voxel three times
+    far = line([40, 40, 40], [1, 0, 0], 2)
+    unassigned = torch.tensor([[5.0, 1, 0]])
+    coord = torch.cat([track, branch, track2, far, unassigned])
+    labels = torch.tensor([0] * 12 + [2] * 3 + [3] * 5 + [4] * 2 + [-1])
+    labels[5:7] = 1
+    batch = torch.zeros(len(coord), dtype=torch.long)
+    out = absorb_small_clusters(coord, labels, batch, 1.0, max_points=3)
+    assert int(out[-1]) == -1
+    # The speck rejoins the track; the branch joins the neighbour it touches most
+    # (track2: 3 contacts vs 1); the isolated pair stays apart.
+    assert same_partition(out[:-1], [0] * 12 + [3] * 3 + [3] * 5 + [4] * 2)
+    # max_points=1 absorbs nothing here; 0 is off.
+    assert torch.equal(absorb_small_clusters(coord, labels, batch, 1.0, max_points=1), labels)
+    assert torch.equal(absorb_small_clusters(coord, labels, batch, 1.0, max_points=0), labels)
+    # Another event's clusters are never touched, even at the same coordinates.
+    two = absorb_small_clusters(torch.cat([track, track[5:7]]), torch.tensor([0] * 12 + [1] * 2),
+                                torch.tensor([0] * 12 + [1] * 2), 1.0, max_points=3)
+    assert same_partition(two, [0] * 12 + [1] * 2)
+
+
+def test_cluster_instances_absorbs_a_misclassified_speck():
+    # A 20-voxel track voting for one centroid with voxels 8-10 predicted as
+    # class 3 (delta), and a real 5-voxel delta leaving the track at voxel 15.
+    track = line([0, 0, 0], [1, 0, 0], 20)
+    delta = line([15, 1, 0], [0, 1, 0], 5)
+    coord = torch.cat([track, delta])
+    votes = torch.cat([torch.tensor([[9.5, 0, 0]]).repeat(20, 1), torch.tensor([[15.0, 3.0, 0]]).repeat(5, 1)])
+    semantic = torch.tensor([1] * 20 + [3] * 5)
+    semantic[8:11] = 3
+    batch = torch.zeros(25, dtype=torch.long)
+    truth = [0] * 20 + [1] * 5
+    assert not same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0), truth)
+    assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, absorb_points=3), truth)
+    # A threshold below the real delta's size keeps it; above, it is swallowed too.
+    assert same_partition(cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, absorb_points=5),
+                          [0] * 25)
+
+
+def test_min_points_per_class_applies_after_absorption():
+    # Class 1: a 6-voxel track and an isolated 3-voxel piece; class 3: a
+    # 3-voxel delta on the track's end and a 1-voxel speck inside the track.
+    track = line([0, 0, 0], [1, 0, 0], 7)
+    piece = line([30, 30, 30], [1, 0, 0], 3)
+    delta = line([7, 1, 0], [0, 1, 0], 3)
+    coord = torch.cat([track, piece, delta])
+    votes = torch.cat([torch.tensor([[3.0, 0, 0]]).repeat(7, 1), torch.tensor([[31.0, 30, 30]]).repeat(3, 1),
+                       torch.tensor([[7.0, 2, 0]]).repeat(3, 1)])
+    semantic = torch.tensor([1] * 7 + [1] * 3 + [3] * 3)
+    semantic[3] = 3  # the speck
+    batch = torch.zeros(13, dtype=torch.long)
+    out = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, min_points=(1, 5, 1, 2, 1),
+                            absorb_points=1)
+    # The speck joins the track (absorbed before the track's threshold of 5 is
+    # checked), the isolated 3-voxel track piece is dropped, the delta kept.
+    assert (out[7:10] == -1).all()
+    assert same_partition(out[[0, 1, 2, 3, 4, 5, 6, 10, 11, 12]], [0] * 7 + [1] * 3)
+    # A single number still works as before.
+    out = cluster_instances(coord, votes, semantic, batch, 1.0, 2.0, 1.0, min_points=4)
+    assert (out[3] == -1) and (out[7:] == -1).all() and (out[[0, 1, 2, 4, 5, 6]] >= 0).all()
 
 
 # ------------------------------------------------------------ affinity model pieces

@@ -250,6 +250,17 @@ def test_pointgroup_outputs():
     assert (ipred[out["seg_logits"].argmax(1) == 2] == -1).all()
 
 
+def test_pointgroup_cleanup_options():
+    # Per-class min_points and absorb_points reach the clustering: with every
+    # cluster below its class minimum, nothing is assigned.
+    model = MODELS.build(dict(type="PointGroupLite", backbone=SMALL_BACKBONE, num_classes=3, stuff_classes=(2,),
+                              agree_radius=3.0, merge_radius=5.0, min_points=(1000, 1000, 1), absorb_points=2))
+    model.eval()
+    assert (model(make_batch([40, 50]))["instance_pred"] == -1).all()
+    with pytest.raises(ConfigError, match="absorb_points"):
+        MODELS.build(dict(type="PointGroupLite", backbone=SMALL_BACKBONE, num_classes=3, absorb_points=-1))
+
+
 def test_centroid_offsets():
     coord = torch.tensor([[0.0, 0, 0], [2, 0, 0], [5, 5, 5], [9, 9, 9]])
     target, valid = instance_centroid_offsets(coord, torch.tensor([3, 3, -1, 3]), torch.tensor([0, 0, 0, 1]))

@@ -16,6 +16,9 @@ Both models cluster per event and per predicted class in two stages:
    mean affinity over all their point pairs is above a threshold. The
    affinity is trained as the probability that two points belong to one
    instance, so 0.5 is its natural threshold.
+3. optionally (``absorb_points``), clusters of a few points join the larger
+   cluster they touch most (:func:`absorb_small_clusters`): a few voxels of
+   a particle predicted as another class are not a particle of their own.
 
 Everything is tensor code: no Python loop over points or voxels (only over
 events, and over agglomeration rounds, each of which merges many clusters).
@@ -32,9 +35,11 @@ from pimm.utils.errors import ConfigError
 from .point_ops import connected_components, event_grid_coord, neighbor_pairs, scatter_mean, voxelize
 
 __all__ = [
+    "absorb_small_clusters",
     "average_linkage",
     "cluster_instances",
     "compact_labels",
+    "drop_small_clusters",
     "finish_labels",
     "merge_by_votes",
     "per_class",
@@ -190,6 +195,25 @@ def finish_labels(labels: torch.Tensor, idx: torch.Tensor, num_points: int, min_
     return out
 
 
+def drop_small_clusters(labels: torch.Tensor, point_min: torch.Tensor) -> torch.Tensor:
+    """Unassign (-1) the clusters smaller than their threshold: ``point_min``
+    (N,) gives one per point, a cluster uses the smallest among its points.
+    Ids are compacted."""
+    out = labels.clone()
+    valid = torch.nonzero(labels >= 0).squeeze(1)
+    if valid.numel() == 0:
+        return out
+    lab = compact_labels(labels[valid])
+    num = int(lab.max()) + 1
+    need = torch.full((num,), torch.inf, dtype=point_min.dtype, device=lab.device)
+    need.scatter_reduce_(0, lab, point_min[valid], reduce="amin")
+    keep = torch.bincount(lab, minlength=num).to(need.dtype) >= need
+    out[valid] = torch.where(keep[lab], lab, torch.full_like(lab, -1))
+    kept = out >= 0
+    out[kept] = compact_labels(out[kept])
+    return out
+
+
 def cluster_instances(
     coord: torch.Tensor,
     shifted: torch.Tensor,
@@ -198,8 +222,9 @@ def cluster_instances(
     grid_size: float,
     agree_radius: float | Sequence[float] | torch.Tensor,
     merge_radius: float | Sequence[float] | torch.Tensor,
-    min_points: int = 1,
+    min_points: int | Sequence[int] = 1,
     stuff_classes: Sequence[int] = (),
+    absorb_points: int = 0,
 ) -> torch.Tensor:
     """PointGroupLite's grouping: vote fragments merged by vote hashing.
 
@@ -212,6 +237,12 @@ def cluster_instances(
             diffuse and their votes scatter more than a track's), or a
             ``(events, classes)`` tensor: one per event and class (a policy
             choosing radii event by event, :mod:`pimm.models.grpo.cluster_policy`).
+        min_points: clusters with fewer points are unassigned (-1); one
+            number or one per class (a cluster holding several classes after
+            absorption uses the smallest of theirs). Applied after absorption.
+        absorb_points: clusters of at most this many points then join the
+            larger cluster they touch most, whatever its class
+            (:func:`absorb_small_clusters`); 0: off.
 
     Returns (N,) long instance ids, unique across the batch, -1 = unassigned.
     """
@@ -227,4 +258,50 @@ def cluster_instances(
     merge_r = radius_table(merge_radius, num_events, num_classes, votes)
     frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[group])
     merged = merge_by_votes(frag, votes, group, merge_r)
-    return finish_labels(merged[frag], idx, semantic.shape[0], min_points)
+    if isinstance(min_points, int) and absorb_points <= 0:
+        return finish_labels(merged[frag], idx, semantic.shape[0], min_points)
+    labels = finish_labels(merged[frag], idx, semantic.shape[0], 1)
+    if absorb_points > 0:
+        labels = absorb_small_clusters(coord, labels, batch, grid_size, absorb_points)
+    return drop_small_clusters(labels, per_class(min_points, num_classes, votes)[semantic])
+
+
+def absorb_small_clusters(coord: torch.Tensor, labels: torch.Tensor, batch: torch.Tensor, grid_size: float,
+                          max_points: int) -> torch.Tensor:
+    """Join every cluster of at most ``max_points`` points to the larger
+    cluster it touches most (26-neighbour voxel contacts, any class).
+
+    A few voxels of a particle predicted as another class (a muon's voxels
+    called Michel or delta) form a separate small cluster, which is a false
+    instance and splits the true one; joining it to the particle it sits on
+    repairs both. Clusters that touch no larger cluster stay as they are.
+    ``labels`` (N,) are instance ids unique across the batch, -1 = none
+    (such points neither absorb nor are absorbed). One round: a small
+    cluster never joins another small one. Returns (N,) ids.
+    """
+    if max_points < 1:
+        return labels
+    idx = torch.nonzero(labels >= 0).squeeze(1)
+    if idx.numel() == 0:
+        return labels
+    lab = compact_labels(labels[idx])
+    size = torch.bincount(lab)
+    vgrid, vbatch, inverse = voxelize(event_grid_coord(coord[idx], batch[idx], grid_size), batch[idx])
+    # Each voxel takes the label of (one of) its points.
+    vlab = torch.empty(vgrid.shape[0], dtype=lab.dtype, device=lab.device).scatter_(0, inverse, lab)
+    a, b, _ = neighbor_pairs(vgrid, vbatch, NEIGHBORS_26.to(vgrid.device))
+    la, lb = vlab[a], vlab[b]
+    touch = (la != lb) & (size[la] <= max_points) & (size[lb] > size[la])
+    if not bool(touch.any()):
+        return labels
+    num = int(size.numel())
+    # Contacts per (small cluster, neighbour); each small cluster picks the
+    # neighbour with most contacts (ties: the larger neighbour id).
+    pair, count = torch.unique(la[touch] * num + lb[touch], return_counts=True)
+    small, target = pair // num, pair % num
+    best = torch.full((num,), -1, dtype=torch.long, device=lab.device)
+    best.scatter_reduce_(0, small, count * num + target, reduce="amax")
+    new = torch.where(best >= 0, best % num, torch.arange(num, device=lab.device))
+    out = labels.clone()
+    out[idx] = compact_labels(new[lab])
+    return out

@@ -78,9 +78,9 @@ class PointGroupLite(nn.Module):
             voxels are O(1) for the network.
         offset_weight, direction_weight: weights of the L1 offset loss and the
             (1 - cosine) direction loss.
-        agree_radius, merge_radius, min_points, stuff_classes: clustering
-            parameters (coordinate units; the radii may be per-class tuples),
-            see :func:`cluster_instances`.
+        agree_radius, merge_radius, min_points, stuff_classes, absorb_points:
+            clustering parameters (coordinate units; the radii may be
+            per-class tuples), see :func:`cluster_instances`.
 
     ``forward`` returns ``seg_logits``, ``offset_pred``, ``loss`` (when
     ``segment`` and ``instance`` are given) and, in eval mode,
@@ -98,8 +98,9 @@ class PointGroupLite(nn.Module):
         direction_weight: float = 1.0,
         agree_radius: float | Sequence[float] = 4.0,
         merge_radius: float | Sequence[float] = 8.0,
-        min_points: int = 1,
+        min_points: int | Sequence[int] = 1,
         stuff_classes: Sequence[int] = (),
+        absorb_points: int = 0,
     ):
         super().__init__()
         if int(num_classes) < 1:
@@ -120,8 +121,12 @@ class PointGroupLite(nn.Module):
         self.direction_weight = float(direction_weight)
         self.agree_radius = tuple(agree_radius) if isinstance(agree_radius, (list, tuple)) else float(agree_radius)
         self.merge_radius = tuple(merge_radius) if isinstance(merge_radius, (list, tuple)) else float(merge_radius)
-        self.min_points = int(min_points)
+        self.min_points = tuple(int(m) for m in min_points) if isinstance(min_points, (list, tuple)) \
+            else int(min_points)
         self.stuff_classes = tuple(int(c) for c in stuff_classes)
+        if int(absorb_points) < 0:
+            raise ConfigError(f"PointGroupLite: absorb_points must be >= 0 (0: off), got {absorb_points}")
+        self.absorb_points = int(absorb_points)
 
     def offset_loss(self, offset_pred: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return centroid_offset_loss(offset_pred, target, valid, self.offset_scale, self.offset_weight,
@@ -144,5 +149,6 @@ class PointGroupLite(nn.Module):
                 out["instance_pred"] = cluster_instances(
                     coord, coord + offset_pred, seg_logits.argmax(1), batch, self.grid_size,
                     self.agree_radius, self.merge_radius, self.min_points, self.stuff_classes,
+                    self.absorb_points,
                 )
         return out
