@@ -4,6 +4,7 @@ processes (the latter spawned in-process, marked slow)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -213,6 +214,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
             results[mode] = {"params": _params(trainer),
                              "reward": trainer.metrics.flush()[-1]["train/reward_mean"]}  # as logged
             trainer.close()
+            del trainer  # a DDP model alive when its process group is destroyed can abort the process at exit
         channel = MetricChannel()  # the trainer publishes its metrics with this reduce rule
         scalars = {"score": torch.tensor(float(rank + 1)), "size_min": torch.tensor(rank + 1.0),
                    "size_max": torch.tensor(rank + 1.0), "spread": torch.tensor(10.0 * rank)}
@@ -221,6 +223,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         results["reduced"] = {k: record[k] for k in scalars}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 

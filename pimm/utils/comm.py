@@ -6,6 +6,7 @@ initialised, so engine code never branches on "am I distributed?".
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -165,5 +166,10 @@ def init_distributed_from_env(timeout_s: float = 1800.0) -> bool:
 
 def destroy_distributed() -> None:
     if is_dist():
+        # A DistributedDataParallel wrapper still alive when its process group is
+        # destroyed can abort the process at exit (torch 2.x, gloo: "terminate
+        # called without an active exception"); a trainer kept alive only by
+        # reference cycles is collected first.
+        gc.collect()
         dist.destroy_process_group()
 
