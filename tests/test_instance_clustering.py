@@ -12,14 +12,7 @@ from pimm.models import instance_affinity  # noqa: F401  (registers the model)
 from pimm.models.clustering import absorb_small_clusters, average_linkage, cluster_instances, vote_fragments
 from pimm.models.instance_affinity import affinity_pair_loss, sample_partner_pairs
 from pimm.utils.errors import ConfigError
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.support.threads import single_thread  # noqa: F401  (autouse: one thread)
 
 
 def same_partition(a, b) -> bool:

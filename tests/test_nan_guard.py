@@ -152,7 +152,7 @@ hooks = [
     assert "stopping before the update (policy='stop')" in result.stderr
     manager = CheckpointManager(save / "checkpoints")
     assert committed_steps(save) == [5] and not list((save / "checkpoints").glob(".tmp-*"))
-    assert manager._verify(manager.committed()[0]) == "ok"  # sizes and CRC-32s as committed
+    assert manager.verify(manager.committed()[0]) == "ok"  # sizes and CRC-32s as committed
     last = final_weights(save)
     assert last["global_step"] == 5 and all(torch.isfinite(v).all() for v in last["state_dict"].values())
     assert "NonFiniteStep" in (save / "train.log").read_text()

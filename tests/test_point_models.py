@@ -15,15 +15,7 @@ from pimm.models.losses import LOSSES
 from pimm.models.point_ops import connected_components, voxelize
 from pimm.models.sparse_maps import downsample_kernel_map, submanifold_kernel_map
 from pimm.utils.errors import ConfigError
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """These tensors are tiny: one thread avoids OpenMP stalls when the 2-core
-    machine is busy, and the previous setting is restored for other tests."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.support.threads import single_thread  # noqa: F401  (autouse: one thread)
 
 
 SMALL_BACKBONE = dict(type="SparseUNet", in_channels=2, channels=(8, 16, 24), enc_blocks=(1, 1, 1),

@@ -19,14 +19,7 @@ from pimm.models import sparse_maps
 from pimm.models.sparse_maps import KernelMap, downsample_kernel_map, kernel_map_pyramid, submanifold_kernel_map
 from pimm.models import sparse_conv as sparse_conv_module
 from pimm.models.sparse_conv import sparse_conv
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.support.threads import single_thread  # noqa: F401  (autouse: one thread)
 
 
 def random_voxels(n, extent, events, seed, shuffle=False):

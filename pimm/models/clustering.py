@@ -250,19 +250,15 @@ def cluster_instances(
     if idx.numel() == 0:
         return torch.full_like(semantic, -1)
     num_classes = int(semantic.max()) + 1
-    sem = semantic[idx]
-    group = batch[idx] * num_classes + sem  # one graph per (event, class)
+    group = batch[idx] * num_classes + semantic[idx]  # one graph per (event, class)
     votes = shifted[idx]
     num_events = int(batch.max()) + 1
     agree_r = radius_table(agree_radius, num_events, num_classes, votes)
     merge_r = radius_table(merge_radius, num_events, num_classes, votes)
     frag = vote_fragments(coord[idx], votes, group, grid_size, agree_r[group])
     merged = merge_by_votes(frag, votes, group, merge_r)
-    if isinstance(min_points, int) and absorb_points <= 0:
-        return finish_labels(merged[frag], idx, semantic.shape[0], min_points)
     labels = finish_labels(merged[frag], idx, semantic.shape[0], 1)
-    if absorb_points > 0:
-        labels = absorb_small_clusters(coord, labels, batch, grid_size, absorb_points)
+    labels = absorb_small_clusters(coord, labels, batch, grid_size, absorb_points)
     return drop_small_clusters(labels, per_class(min_points, num_classes, votes)[semantic])
 
 

@@ -278,7 +278,7 @@ class CheckpointManager:
         sharded = self._collect(self._sharded)
         shared = _frozen(shared) if rank == 0 else None
         per_rank = _frozen(self._collect(self._per_rank))
-        existing = comm.broadcast_object(self._verify(final) if rank == 0 and final.exists() else None)
+        existing = comm.broadcast_object(self.verify(final) if rank == 0 and final.exists() else None)
         if existing == "ok":
             return final  # this step is already committed and intact
         if rank == 0:
@@ -380,7 +380,7 @@ class CheckpointManager:
         for stale in [*self.directory.glob(".tmp-*"), *self.directory.glob(".deleting-*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed save or deletion
         # Still unusable? (A re-save of the step heals the folder; then it counts again.)
-        self.rejected = [(path, why) for path, why in self.rejected if path.exists() and self._verify(path) != "ok"]
+        self.rejected = [(path, why) for path, why in self.rejected if path.exists() and self.verify(path) != "ok"]
         rejected = {path for path, _ in self.rejected}
         committed = [(path, self._read_manifest(path)) for path in self.committed() if path not in rejected]
         keep = self.retention.survivors(committed)
@@ -402,10 +402,7 @@ class CheckpointManager:
     def verify(self, path: Path) -> str:
         """``"ok"`` when the checkpoint folder ``path`` is committed and every file
         matches its manifest entry (size, CRC-32); else why it cannot be used."""
-        return self._verify(Path(path))
-
-    def _verify(self, path: Path) -> str:
-        """``"ok"``, or why the folder cannot be resumed from."""
+        path = Path(path)
         if not (path / MANIFEST).is_file():
             return "no COMMITTED manifest: an interrupted save or a partial copy"
         manifest = self._read_manifest(path)
@@ -420,7 +417,7 @@ class CheckpointManager:
         return "ok"
 
     def _try_load(self, path: Path, rank: int) -> LoadedCheckpoint:
-        verdict = self._verify(path)
+        verdict = self.verify(path)
         if verdict != "ok":
             raise ValueError(verdict)
         manifest = self._read_manifest(path)

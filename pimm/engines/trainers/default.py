@@ -257,9 +257,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         parameters on every rank: under FSDP each unit is gathered once (a
         collective), so any number of forward passes or other method calls run
         without collectives (evaluation, rollouts). A no-op otherwise."""
-        if model is None or model is self.model_without_ddp or model is self.model:
-            return full_parameters(self.model)
-        return full_parameters(model)
+        trained = model is None or model is self.model_without_ddp
+        return full_parameters(self.model if trained else model)
 
     def save_model_file(self, name: str, model: torch.nn.Module | None = None, **fields) -> None:
         """``model/<name>`` now: plain weights for inference and warm starts (every rank
