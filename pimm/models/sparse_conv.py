@@ -31,12 +31,6 @@ from .sparse_maps import KernelMap
 __all__ = ["SparseConv", "sparse_conv"]
 
 
-def _gather_slots(x: torch.Tensor, layout) -> torch.Tensor:
-    """The input row of every slot, zero in the padding slots."""
-    x_slots = x.index_select(0, layout.gather_in)
-    return x_slots.index_fill_(0, layout.pads, 0.0)
-
-
 class _SparseConvFunction(torch.autograd.Function):
     # Each bucket costs a handful of dispatched ops and the matmuls write
     # straight into one buffer: on LArTPC batches the convolutions are small
@@ -45,7 +39,8 @@ class _SparseConvFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
         layout = kmap.layout
         cin, cout = weight.shape[1:]
-        x_slots = _gather_slots(x, layout)
+        # Padding slots gather row 0: their messages are summed nowhere.
+        x_slots = x.index_select(0, layout.gather_in)
         w_blocks = weight.index_select(0, layout.slot_offsets)  # one weight per block, in slot order
         msgs = x.new_empty(x_slots.shape[0], cout)
         for xb, wb, mb, (n, _) in zip(x_slots.split(layout.bucket_slots), w_blocks.split(layout.bucket_blocks),
@@ -68,10 +63,12 @@ class _SparseConvFunction(torch.autograd.Function):
         kmap: KernelMap = ctx.kmap
         layout = kmap.layout
         cin, cout = weight.shape[1:]
-        x_slots = _gather_slots(x, layout)
+        x_slots = x.index_select(0, layout.gather_in)
         w_blocks = weight.index_select(0, layout.slot_offsets)
         grad_out = grad_out.contiguous()
-        g_slots = grad_out.index_select(0, layout.gather_out)
+        # Zero gradient in the padding slots keeps them out of the weight
+        # gradient (their x rows are row 0, not zero).
+        g_slots = grad_out.index_select(0, layout.gather_out).index_fill_(0, layout.pads, 0.0)
         need_x = ctx.needs_input_grad[0]
         grad_blocks = torch.empty_like(w_blocks)
         back = torch.empty_like(x_slots) if need_x else None
@@ -80,7 +77,6 @@ class _SparseConvFunction(torch.autograd.Function):
                      back.split(layout.bucket_slots) if need_x else [None] * len(layout.buckets), layout.buckets)
         for xb, gb, wt, grad_b, bb, (n, _) in pieces:
             gb = gb.view(n, -1, cout)
-            # Padding rows of x_slots are zero, so they add nothing here.
             torch.bmm(xb.view(n, -1, cin).transpose(1, 2), gb, out=grad_b)
             if need_x:
                 torch.bmm(gb, wt, out=bb.view(n, -1, cin))
