@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pimm.cli import register_all  # noqa: E402
-from pimm.engines.hooks.live_control import AUDIT_FILE, parse_control, rebase_lr  # noqa: E402
+from pimm.engines import scale_lr  # noqa: E402
+from pimm.engines.hooks.live_control import AUDIT_FILE, parse_control  # noqa: E402
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.optim import build_optimizer  # noqa: E402
 from pimm.engines.scheduler import build_scheduler  # noqa: E402
@@ -135,15 +136,19 @@ def test_malformed_files_warn_once_per_content_and_change_nothing(tmp_path, capl
     expected = [
         "control.json ignored: it is not valid JSON",
         "control.json ignored: unknown key(s) ['learning_rate']; it takes revision, note, lr",
-        "control.json ignored: 'lr' must be a positive number, got 'fast'",
-        "control.json ignored: 'revision' must be an integer, got 1.0",
-        "control.json ignored: revision 2 is not above the last applied revision 2; raise 'revision'",
-        "control.json ignored: revision 1 is not above the last applied revision 2",
+        "control.json ignored: 'lr' must be a number from 1e-10 to 100, got 'fast'",
+        "control.json ignored: 'revision' must be an integer from 1 to 9007199254740991, got 1.0",
+        "control.json revision 2 ignored: it is not above the last applied revision 2; raise 'revision'",
+        "control.json revision 1 ignored: it is not above the last applied revision 2",
     ]
     assert len(warnings) == len(expected), warnings
     for got, want in zip(warnings, expected):
         assert got.startswith("LiveControl: " + want), (got, want)
-    assert [(e["step"], e["revision"]) for e in audit(trainer.save_path)] == [(7, 2)]
+    entries = audit(trainer.save_path)
+    assert [(e["step"], e["revision"]) for e in entries if "refused" not in e] == [(7, 2)]
+    # Each warning is also a "refused" audit line (at the step it was read), never an applied one.
+    assert [(e["step"], e["revision"]) for e in entries if "refused" in e] == [
+        (2, None), (4, None), (5, None), (6, None), (8, 2), (10, 1)]
     assert next(h for h in trainer.hooks if type(h).__name__ == "LiveControl").revision == 2
     writer = next(h for h in trainer.hooks if type(h).__name__ == "InformationWriter")
     assert writer.log_frequency == 3
@@ -185,10 +190,11 @@ def test_lr_and_eval_changes_need_what_they_change(tmp_path, caplog):
     trainer.train()
     assert any("revision 1 ignored: 'eval_every_n_steps' needs an evaluator hook" in r.getMessage()
                for r in caplog.records)
-    assert audit(trainer.save_path) == []
+    assert [e["refused"] for e in audit(trainer.save_path)] == [
+        "ignored: 'eval_every_n_steps' needs an evaluator hook, and this run has none"]
 
 
-# ----------------------------------------------------------------------------- the lr rebase
+# ----------------------------------------------------------------------------- the lr scale
 
 
 @pytest.mark.parametrize("spec", [
@@ -199,7 +205,7 @@ def test_lr_and_eval_changes_need_what_they_change(tmp_path, caplog):
     dict(type="PolyLR", power=0.9),
     dict(type="ConstantLR"),
 ], ids=lambda s: "-".join(f"{v}" for v in s.values()))
-def test_rebasing_scales_the_rest_of_the_schedule_for_every_group(spec):
+def test_scale_lr_scales_the_rest_of_the_schedule_for_every_group(spec):
     def build():
         model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
         optimizer = build_optimizer(dict(type="AdamW", lr=0.01), model, [dict(keyword="1.", lr_scale=0.5)])
@@ -211,7 +217,7 @@ def test_rebasing_scales_the_rest_of_the_schedule_for_every_group(spec):
         optimizer.step(), scheduler.step(), ref_optimizer.step(), ref_scheduler.step()
     new_lr = 0.003
     scale = new_lr / optimizer.param_groups[0]["lr"]
-    rebase_lr(optimizer, scheduler, scale)
+    scale_lr(optimizer, scheduler, scale)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(new_lr, rel=1e-12)
     for _ in range(14):
         got = [g["lr"] for g in optimizer.param_groups]
