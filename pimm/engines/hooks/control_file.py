@@ -75,6 +75,7 @@ def check_changes(changes: dict) -> None:
 
 
 def check_revision(revision) -> None:
+    """ControlFileError unless ``revision`` is an int in LIMITS["revision"]."""
     if not _is_int(revision) or not _in("revision", revision):
         shown = repr(revision)
         raise ControlFileError(f"'revision' must be an integer from 1 to {LIMITS['revision'][1]}, got "
