@@ -355,8 +355,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         try:
             with self.autocast():
                 output = self.model(batch)
-        except torch.OutOfMemoryError:
-            raise  # not a model/data mismatch: the batch does not fit (train.oom_backoff can split it)
+        except (torch.OutOfMemoryError, UserError):
+            raise  # not a model/data mismatch: the batch does not fit, or a named failure (compile)
         except Exception as err:
             self.logger.error("The model's first forward pass failed", exc_info=True, extra=FILE_ONLY)
             detail = str(err).splitlines()[0] if str(err) else ""
