@@ -23,7 +23,7 @@ from pimm.utils.errors import EXIT_PREEMPTED
 
 __all__ = ["spawn_local", "free_port"]
 
-_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+_FORWARDED = ("SIGTERM", "SIGHUP", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 def free_port() -> int:

@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
+from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
@@ -128,7 +129,7 @@ def _run(args, mode: str, attempt_box: list) -> int:
     finally:
         for held in lock:
             held.release()
-        for name in ("SIGTERM", *_PREEMPT_NAMES):
+        for name in (*STANDARD_PREEMPT, "SIGUSR1", *_PREEMPT_NAMES):
             if hasattr(signal, name):
                 try:
                     signal.signal(getattr(signal, name), signal.SIG_DFL)
@@ -157,7 +158,8 @@ def _take_run_lock(cfg, lock: list) -> None:
 
 def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int:
     comm.init_distributed_from_env()
-    _install_startup_signals(("SIGTERM",))
+    _install_startup_signals(STANDARD_PREEMPT)
+    ignore_unhandled_usr1()  # until a hook (OnDemandValidation) listens for it
     cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode, check_save_path=False)
     if mode == "train" and cfg.test_only:
         if not cfg.weight:
