@@ -89,6 +89,11 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
                     if child.poll() is None:
                         child.kill()
             time.sleep(0.1)
+    except KeyboardInterrupt:  # not Ctrl-C (forwarded above): the run lock was lost, stop every writer now
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
