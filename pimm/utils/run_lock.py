@@ -466,9 +466,9 @@ class RunLock:
                 os.utime(self.path)
             except OSError:
                 pass  # a transient file-system error must not kill the run (a deleted file is rewritten below)
-            if self.lost is None and self._record is not None:
+            if self._record is not None:
                 try:
-                    self.lost = self._verify()
+                    self.lost = self.lost or self._verify()  # also when a commit's check found it first
                 except Exception:  # the heartbeat must never die on a check
                     continue
                 if self.lost is not None:

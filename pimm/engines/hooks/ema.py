@@ -91,9 +91,9 @@ class EMAHook(HookBase):
             raise ValueError(f"decay must be a number in (0, 1) (e.g. 0.999), got {decay!r}")
         if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
             raise ValueError(f"update_every must be a positive integer, got {update_every!r}")
-        for name, flag in (("warmup", warmup), ("evaluate", evaluate), ("export", export)):
+        for option, flag in (("warmup", warmup), ("evaluate", evaluate), ("export", export)):
             if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+                raise ValueError(f"{option} must be True or False, got {flag!r}")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", name):
             raise ValueError(f"name must be letters, digits or '_' (it names model_<name>.pth), got {name!r}")
         self.decay, self.warmup, self.update_every = float(decay), warmup, update_every
