@@ -121,7 +121,7 @@ class EMAHook(HookBase):
 
     def before_train(self) -> None:
         trainer = self.trainer
-        twins = [h for h in trainer.hooks if isinstance(h, EMAHook) and h.name == self.name]
+        twins = [h for h in getattr(trainer, "hooks", ()) if isinstance(h, EMAHook) and h.name == self.name]
         if len(twins) > 1:
             raise ConfigError(f"hooks: {len(twins)} EMAHook entries share name={self.name!r}: they would write one "
                               f"model/model_{self.name}.pth and one set of val_{self.name}/ metrics; give each its "
