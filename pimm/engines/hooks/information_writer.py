@@ -51,13 +51,15 @@ class InformationWriter(HookBase):
         eta_text = str(datetime.timedelta(seconds=int(eta))) if not math.isnan(eta) else "-"
         extra_items = [(k[6:], v) for k, v in last.items()
                        if k.startswith("train/") and k not in ("train/loss", "train/lr") and v is not None]
+        # Several optimizers log train/lr/<part> (among the extras) rather than one train/lr.
+        lr_text = f" lr {last['train/lr']:.3e}" if last.get("train/lr") is not None else ""
         extras = " ".join(f"{k} {v:.4f}" for k, v in extra_items[:self.max_extras])
         if len(extra_items) > self.max_extras:
             extras += f" (+{len(extra_items) - self.max_extras} in metrics.jsonl)"
         loss = last["train/loss"]
         trainer.logger.info(
             f"Train: [{trainer.epoch + 1}/{trainer.max_epoch}][{trainer.iter}/{trainer.iters_per_epoch}] "
-            f"step {trainer.global_step} loss {loss:.4f} lr {last['train/lr']:.3e} "
+            f"step {trainer.global_step} loss {loss:.4f}{lr_text} "
             f"{extras + ' ' if extras else ''}"
             f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
         )

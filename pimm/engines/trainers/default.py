@@ -22,6 +22,7 @@ from pimm.engines.hooks.base import HookBase, build_hooks
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
+from pimm.engines.optim_parts import part_participants
 from pimm.engines.optim_step import OptimStep
 from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
@@ -132,20 +133,32 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.oom_backoff = OOMBackoff.from_option(oom_backoff, self.train_loader, self.world_size, self.logger)
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
         with tracer.long_span("build_optimizer"):
-            self.optimizer = self.build_optimizer()
-            self.scheduler = self.build_scheduler()
-            self.scaler = self.build_scaler()
-        if self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
+            self.optim_parts = self.build_optim_parts()  # {} unless the optimizer config names model parts
+            self.optim_steps = {name: part.step for name, part in self.optim_parts.items()}
+            if self.optim_parts:
+                self.optimizer = self.scheduler = self.scaler = self.optim_step = None
+            else:
+                self.optimizer = self.build_optimizer()
+                self.scheduler = self.build_scheduler()
+                self.scaler = self.build_scaler()
+        if self.optim_parts:
+            for name, participant, scope in part_participants(self.optim_parts, self.model_without_ddp,
+                                                              self.parallel.fsdp):
+                self.track(name, participant, scope=scope)
+            if self.parallel.fsdp:
+                self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
+        elif self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
             self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
             self.track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
                                                                 self._scheduled_group_keys()), scope="sharded")
         else:
             self.track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
-        self.track("scheduler", SchedulerParticipant(self.scheduler))
-        self.track("scaler", self.scaler)
-        self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                                    clip_grad=cfg.clip_grad, model=self.model,
-                                    track_grad_norm=cfg.log_grad_norm)
+        if not self.optim_parts:
+            self.track("scheduler", SchedulerParticipant(self.scheduler))
+            self.track("scaler", self.scaler)
+            self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                                        clip_grad=cfg.clip_grad, model=self.model,
+                                        track_grad_norm=cfg.log_grad_norm)
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
@@ -186,9 +199,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
 
     def register_hooks(self, hooks: list[HookBase]) -> None:
         super().register_hooks(hooks)
-        if hasattr(self, "optim_step"):
-            dispatch = self._dispatch["after_backward"]
-            self.optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
+        dispatch = self._dispatch["after_backward"]
+        for optim_step in [getattr(self, "optim_step", None), *getattr(self, "optim_steps", {}).values()]:
+            if optim_step is not None:
+                optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
 
     # -- state: restore, save, model files ---------------------------------
     def restore(self) -> bool:
