@@ -7,7 +7,7 @@ _base_ = "../_base_/default_runtime.py"
 save_path = "exp/rings/gan"
 seed = 0
 epoch = 8
-batch_size = 64
+batch_size = 32
 batch_size_val = 250
 num_worker = 0
 
@@ -16,11 +16,11 @@ model = dict(type="RingGAN", image_size=(16, 32), channels=1, latent_dim=32, wid
 # One optimizer per submodule of the model, named after it (model.disc, model.gen).
 optimizer = dict(
     disc=dict(type="Adam", lr=2e-4, betas=(0.5, 0.999)),
-    gen=dict(type="Adam", lr=5e-4, betas=(0.5, 0.999)),
+    gen=dict(type="Adam", lr=2e-4, betas=(0.5, 0.999)),
 )
 scheduler = dict(
     disc=dict(type="ConstantLR"),
-    gen=dict(type="CosineWarmupLR", warmup_ratio=0.05),
+    gen=dict(type="CosineWarmupLR", warmup_ratio=0.05, min_lr_ratio=0.1),
 )
 log_grad_norm = True  # train/grad_norm/disc and train/grad_norm/gen
 

@@ -12,7 +12,8 @@ The loss is the standard non-saturating GAN loss (Goodfellow et al. 2014,
 written with softplus for stability). The generator is DCGAN-like (linear
 projection, then stride-2 transposed conv + BatchNorm + ReLU stages); its last
 activation is a ReLU, so images are non-negative and may be exactly zero
-like the mostly empty real ones (``log1p`` of the charge). The
+like the mostly empty real ones (``log1p`` of the charge), followed by a soft
+ceiling (``max_value``). The
 discriminator is strided convs with LeakyReLU and no normalisation, so
 real and generated batches never share batch statistics. Latent vectors are
 drawn from torch's global generator, which the trainer checkpoints, so a
@@ -39,9 +40,10 @@ def _stages(image_size: tuple[int, int], depth: int) -> tuple[int, int]:
 
 
 class RingGenerator(nn.Module):
-    """Latent ``(B, latent_dim)`` -> image ``(B, channels, H, W)``, non-negative."""
+    """Latent ``(B, latent_dim)`` -> image ``(B, channels, H, W)`` in ``[0, max_value)``."""
 
-    def __init__(self, latent_dim: int, image_size: tuple[int, int], channels: int, width: int, depth: int):
+    def __init__(self, latent_dim: int, image_size: tuple[int, int], channels: int, width: int, depth: int,
+                 max_value: float = 6.0):
         super().__init__()
         self.latent_dim = latent_dim
         self.base = _stages(image_size, depth)
@@ -57,10 +59,13 @@ class RingGenerator(nn.Module):
             ch = out
         layers += [nn.Conv2d(ch, channels, 3, padding=1), nn.ReLU()]
         self.body = nn.Sequential(*layers)
+        self.max_value = float(max_value)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        x = self.project(z).view(z.shape[0], self.top, *self.base)
-        return self.body(x)
+        x = self.body(self.project(z).view(z.shape[0], self.top, *self.base))
+        # Zero stays zero; large values saturate smoothly at max_value (an unbounded
+        # log-charge would let a few pixels carry an absurd charge).
+        return self.max_value * torch.tanh(x / self.max_value)
 
 
 class RingDiscriminator(nn.Module):
@@ -92,14 +97,18 @@ class RingGAN(nn.Module):
         width: channels of the discriminator's first stage (doubling per stage);
             the generator mirrors it.
         depth: up/down-sampling stages (H and W must be divisible by ``2**depth``).
+        max_value: the generator's output saturates (tanh) at this value; real
+            ``log1p`` charge images of ``CherenkovRingDataset`` peak around 5.6.
         image_key: the batch key of the real images.
     """
 
     def __init__(self, image_size=(32, 64), channels: int = 1, latent_dim: int = 32, width: int = 16,
-                 depth: int = 3, image_key: str = "img"):
+                 depth: int = 3, max_value: float = 6.0, image_key: str = "img"):
         super().__init__()
         self.latent_dim, self.image_key = int(latent_dim), image_key
-        self.gen = RingGenerator(self.latent_dim, image_size, channels, width, depth)
+        if isinstance(max_value, bool) or not isinstance(max_value, (int, float)) or not max_value > 0:
+            raise UserError(f"RingGAN: max_value must be a positive number, got {max_value!r}")
+        self.gen = RingGenerator(self.latent_dim, image_size, channels, width, depth, max_value)
         self.disc = RingDiscriminator(image_size, channels, width, depth)
 
     def sample(self, n: int, device=None) -> torch.Tensor:
