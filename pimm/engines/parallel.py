@@ -144,6 +144,7 @@ def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, 
     wanted = set(config.shard_modules or ())
     extra = {id(m) for m in units}
     units = [m for m in model.modules() if m is not model and (type(m).__name__ in wanted or id(m) in extra)]
+    names = type(model).__name__, sorted({type(m).__name__ for m in units})  # before fully_shard renames them
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
@@ -156,8 +157,8 @@ def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, 
     if any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_sync_buffers_before_training_forward)
     if logger is not None:
-        logger.info(f"FSDP2: {type(model).__name__} sharded over {world_size} processes in {len(units) + 1} unit(s)"
-                    f"{' (' + ', '.join(sorted({type(m).__name__ for m in units})) + ' and the root)' if units else ' (the root)'}")
+        logger.info(f"FSDP2: {names[0]} sharded over {world_size} processes in {len(units) + 1} unit(s)"
+                    f"{' (' + ', '.join(names[1]) + ' and the root)' if units else ' (the root)'}")
     return model
 
 

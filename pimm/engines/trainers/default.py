@@ -142,11 +142,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 self.scheduler = self.build_scheduler()
                 self.scaler = self.build_scaler()
         if self.optim_parts:
+            if self.parallel.fsdp:
+                self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
             for name, participant, scope in part_participants(self.optim_parts, self.model_without_ddp,
                                                               self.parallel.fsdp):
                 self.track(name, participant, scope=scope)
-            if self.parallel.fsdp:
-                self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
         elif self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
             self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
             self.track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,

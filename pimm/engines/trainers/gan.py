@@ -81,6 +81,9 @@ class GANTrainer(DefaultTrainer):
         if unknown:
             raise ConfigError(f"train.order names {unknown[0]!r}, which is no optimizer part "
                               f"(the optimizer config names {', '.join(parts)})")
+        if len(set(order)) != len(order):
+            raise ConfigError(f"train.order={list(order)!r} names a part twice: each part is updated once per "
+                              "step (its schedule counts steps); use grad_accum_steps or a larger lr instead")
         self.order = tuple(order)
         return parts
 
