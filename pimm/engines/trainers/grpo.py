@@ -333,7 +333,7 @@ class GRPOTrainer(DefaultTrainer):
         self._cache.start(rollout, batch)
         tracer.complete("rollout", t)
         if tracer.batch_stats_every:
-            tracer.counter("rollout", events=self.batch_size_per_rank, **_format_of(rollout).batch_stats(rollout))
+            tracer.counter("rollout", **{"events": self.batch_size_per_rank, **_format_of(rollout).batch_stats(rollout)})
         self.train_state.samples_seen += self.batch_size_per_rank * self.world_size
         avg_pts = data_lib.points_per_sample([data_lib.point_batch_size(batch)])
         return {} if avg_pts is None else {"avg_pts": avg_pts}
