@@ -229,4 +229,4 @@ def points_per_sample(sizes: list):
     if not sizes or any(size is None for size in sizes):
         return None
     points = sizes[0][0] if len(sizes) == 1 else torch.stack([p for p, _ in sizes]).sum()
-    return points.float() / sum(events for _, events in sizes)
+    return points / sum(events for _, events in sizes)  # true division: a float tensor

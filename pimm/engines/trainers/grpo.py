@@ -184,14 +184,15 @@ def _format_of(rollout) -> PimmFormat | UpstreamFormat:
     return _FORMATS["upstream" if is_upstream_rollout(rollout) else "pimm"]
 
 
-def _scalars(values: dict) -> dict[str, torch.Tensor]:
-    """The scalar entries of an output (1-element tensors, numbers), as detached tensors."""
+def _scalars(values: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The scalar entries of an output (1-element tensors, numbers), as detached 0-d
+    tensors on ``device`` (the metric channel reduces them in one stack per op)."""
     out = {}
     for key, value in values.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
-            out[key] = value.detach().reshape(())
+            out[key] = value.detach().reshape(()).to(device, non_blocking=True)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = torch.tensor(float(value))
+            out[key] = torch.tensor(float(value), device=device)
     return out
 
 
@@ -357,14 +358,14 @@ class GRPOTrainer(DefaultTrainer):
                                     "dict with a scalar 'loss' tensor (see docs/grpo.md)")
                 optim_step.backward(loss if weight is None else loss * weight)
             outputs.append((output, weight))
-        metrics = _scalars(fmt.combine(outputs, self.model_without_ddp, cache.rollout))
+        metrics = _scalars(fmt.combine(outputs, self.model_without_ddp, cache.rollout), self.device)
         self.comm_info["model_output_dict"] = metrics
         cache.history.append(metrics)
         self.step_result = result = optim_step.step()
         tracer.complete("policy_update", t)
         step = {**metrics, "grad_norm": result.grad_norm}
         if optim_step.scaler is not None:
-            step["amp_step_skipped"] = torch.tensor(0.0 if result.stepped else 1.0)
+            step["amp_step_skipped"] = torch.tensor(0.0 if result.stepped else 1.0, device=self.device)
         return step
 
     def run_step(self) -> None:
