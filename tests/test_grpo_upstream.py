@@ -227,3 +227,20 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, step_per, kill, num_gpus)
     assert len(stats) == 2 * 64 // 4 * num_gpus  # every rank, every rollout of the 2 epochs
     assert {tuple(sorted(s.items())) for s in stats} == {
         (("actions", per_rank * 6 * 2), ("events", per_rank), ("trajectories", per_rank * 6))}
+
+
+def test_step_per_is_checked_and_a_microbatch_size_of_0_is_upstreams_no_split(tmp_path):
+    from pimm.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.step_per='epoch' is invalid: use 'update'"):
+        build_trainer(_config(tmp_path, **{"train.step_per": "epoch"}))
+    trainer = build_trainer(_config(tmp_path, **{"train.trajectory_microbatch_size": 0}))
+    try:
+        assert trainer.trajectory_microbatch_size is None
+        trainer.start_epoch_data()
+        trainer.run_step()
+        logged = trainer.metrics.flush()[-1]
+        assert "train/reward_mean" not in logged  # _rollout_metric_tensors: micro-batched updates only
+        assert logged["train/chunks_seen"] == 1.0  # one unweighted call
+    finally:
+        trainer.close()

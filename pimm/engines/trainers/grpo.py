@@ -226,8 +226,8 @@ class GRPOTrainer(DefaultTrainer):
     """Options (``train = dict(type="GRPOTrainer", ...)``), besides DefaultTrainer's:
 
     policy_updates_per_rollout: optimizer updates per rollout (mu).
-    trajectory_microbatch_size: trajectories per micro-batch of an update; None = the whole rollout
-        (upstream-format rollouts: trajectories per slice of each event).
+    trajectory_microbatch_size: trajectories per micro-batch of an update; None (or 0, upstream's
+        spelling) = the whole rollout (upstream-format rollouts: trajectories per slice of each event).
     step_per: "update" (default: each update is a global step) or "rollout" (upstream pimm's
         counting: a step is a rollout with all its updates).
     sample_in_eval_mode: put the model in eval mode while sampling rollouts.
@@ -243,6 +243,8 @@ class GRPOTrainer(DefaultTrainer):
     def __init__(self, cfg, policy_updates_per_rollout=1, trajectory_microbatch_size=None, sample_in_eval_mode=True,
                  torch_threads=None, step_per="update", **options):
         self.updates_per_rollout = _positive_int("policy_updates_per_rollout", policy_updates_per_rollout)
+        if trajectory_microbatch_size == 0 and not isinstance(trajectory_microbatch_size, bool):
+            trajectory_microbatch_size = None  # upstream's "no split"
         self.trajectory_microbatch_size = _positive_int("trajectory_microbatch_size", trajectory_microbatch_size,
                                                         allow_none=True)
         if not isinstance(sample_in_eval_mode, bool):
