@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import tests.support.upstream_grpo  # noqa: F401  (registers UpstreamBandit)
+from tests.support.upstream_grpo import Trajectory  # registers UpstreamBandit
 from pimm.engines.launch import build_trainer
 from pimm.engines.runtime import apply_runtime_defaults, validate_runtime
 from pimm.engines.trainers.grpo_upstream import (combine_chunk_outputs, is_upstream_rollout, summarize_updates,
@@ -244,3 +244,18 @@ def test_step_per_is_checked_and_a_microbatch_size_of_0_is_upstreams_no_split(tm
         assert logged["train/chunks_seen"] == 1.0  # one unweighted call
     finally:
         trainer.close()
+
+
+def test_a_checkpoint_resumes_only_with_the_step_count_it_was_written_with():
+    from pimm.engines.trainers.grpo_state import RolloutCache
+    from pimm.utils.errors import CheckpointError
+
+    saved = RolloutCache(torch.device("cpu"), "update")
+    saved.start({"events": [{"trajectories": [Trajectory(torch.tensor([1, 2]), torch.zeros(2), 0.5)],
+                             "advantages": torch.zeros(1)}]}, batch=None)
+    state = saved.state_dict()
+    restored = RolloutCache(torch.device("cpu"), "update")
+    restored.load_state_dict(state)  # trajectory objects go through the checkpoint
+    assert restored.rollout["events"][0]["trajectories"][0].actions.tolist() == [1, 2]
+    with pytest.raises(CheckpointError, match="step_per='update' and resumes with 'rollout'"):
+        RolloutCache(torch.device("cpu"), "rollout").load_state_dict(state)

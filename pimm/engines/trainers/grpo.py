@@ -264,7 +264,7 @@ class GRPOTrainer(DefaultTrainer):
         super().__init__(cfg, **options)
         self.samples_per_step = 0  # samples are counted per rollout, in run_step
         if self.mode == "train":
-            self._cache = RolloutCache(self.device)
+            self._cache = RolloutCache(self.device, self.step_per)
             self.track("grpo_rollout", self._cache, scope="rank")
             self.optim_step.track_grad_norm = True  # grad_norm is logged every update
 
@@ -304,7 +304,7 @@ class GRPOTrainer(DefaultTrainer):
         return iters * self.steps_per_rollout if self.explicit_iters_per_epoch() is not None else iters
 
     def build_scheduler(self):
-        # The scheduler steps once per optimizer update, whatever a step is.
+        """The schedule, sized in optimizer updates (it steps once per update, whatever a step is)."""
         spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
         updates_per_step = self.updates_per_rollout // self.steps_per_rollout
         return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch * updates_per_step)

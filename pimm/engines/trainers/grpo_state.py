@@ -35,8 +35,8 @@ class RolloutCache:
     checkpoint participant (with ``step_per="update"`` a checkpoint may fall
     between two updates of a rollout)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, step_per: str = "update"):
+        self.device, self.step_per = device, step_per
         self.rollout: dict | None = None
         self.batch: dict | None = None  # for hooks' input_dict only; not checkpointed
         self.history: list[dict[str, torch.Tensor]] = []
@@ -52,10 +52,17 @@ class RolloutCache:
 
     def state_dict(self) -> dict:
         """The rollout and history on the CPU (None when between rollouts)."""
-        return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu")}
+        return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu"),
+                "step_per": self.step_per}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the rollout onto this trainer's device."""
+        """Restore the rollout onto this trainer's device (refused when the
+        checkpoint counted steps otherwise: its step numbers mean other things)."""
+        saved = state.get("step_per", "update")
+        if saved != self.step_per:
+            raise CheckpointError(f"this run was checkpointed with train.step_per={saved!r} and resumes with "
+                                  f"{self.step_per!r}: its step numbers, epoch length and data position count "
+                                  f"differently; resume with step_per={saved!r}")
         self.rollout = _move(state["rollout"], self.device)
         self.history = _move(list(state["history"]), self.device)
         self.batch = None
