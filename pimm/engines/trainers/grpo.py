@@ -48,6 +48,8 @@ it. The trainer owns the loop:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -128,6 +130,35 @@ def _global_totals(action_mask: torch.Tensor) -> dict:
     comm.all_reduce(longest, op="max")
     return {"trajectories": counts[0].item(), "steps": counts[1].item(), "max_length": longest.item(),
             "world_size": comm.get_world_size()}
+
+
+def _reward_health(trajectories: dict) -> tuple[float, float, float] | None:
+    """(finite rewards, groups, groups whose finite rewards differ), summed over
+    ranks; None when the rollout has no ``rewards`` / ``event_index``."""
+    rewards, groups = trajectories.get("rewards"), trajectories.get("event_index")
+    if not isinstance(rewards, torch.Tensor) or not isinstance(groups, torch.Tensor) or rewards.dim() != 1:
+        return None
+    rewards, groups = rewards.detach().double().cpu(), groups.detach().long().cpu()
+    finite = torch.isfinite(rewards)
+    spread = 0
+    if groups.numel():
+        _, groups = torch.unique(groups, return_inverse=True)
+        count = int(groups.max()) + 1
+        high = torch.full((count,), -math.inf, dtype=torch.float64).scatter_reduce(
+            0, groups[finite], rewards[finite], "amax")
+        low = torch.full((count,), math.inf, dtype=torch.float64).scatter_reduce(
+            0, groups[finite], rewards[finite], "amin")
+        spread = int((high > low).sum())
+        total = count
+    else:
+        total = 0
+    counts = torch.tensor([float(finite.sum()), float(total), float(spread)], dtype=torch.float64)
+    comm.all_reduce(counts, op="sum")
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
+class DegenerateRewards(RuntimeError):
+    """Every reward of every rollout in a whole epoch was NaN: nothing to learn from (exit 1)."""
 
 
 class PimmFormat:
@@ -233,6 +264,10 @@ class GRPOTrainer(DefaultTrainer):
     sample_in_eval_mode: put the model in eval mode while sampling rollouts.
     torch_threads: ``torch.set_num_threads`` for this process; None leaves torch's default.
         Small policies run fastest on one thread (more threads only contend).
+    reward_warn_after: warn after this many rollouts in a row with nothing to
+        learn from (every reward NaN, or no group whose rewards differ). Every
+        reward NaN for a whole epoch stops the run (exit 1) naming the cause
+        (pimm-format rollouts with ``rewards`` and ``event_index``).
 
     ``iters_per_epoch`` (iterable data) counts rollouts; an epoch has
     ``rollouts x policy_updates_per_rollout`` steps with ``step_per="update"``.
@@ -241,8 +276,9 @@ class GRPOTrainer(DefaultTrainer):
     """
 
     def __init__(self, cfg, policy_updates_per_rollout=1, trajectory_microbatch_size=None, sample_in_eval_mode=True,
-                 torch_threads=None, step_per="update", **options):
+                 torch_threads=None, step_per="update", reward_warn_after=10, **options):
         self.updates_per_rollout = _positive_int("policy_updates_per_rollout", policy_updates_per_rollout)
+        self.reward_warn_after = _positive_int("reward_warn_after", reward_warn_after)
         if trajectory_microbatch_size == 0 and not isinstance(trajectory_microbatch_size, bool):
             trajectory_microbatch_size = None  # upstream's "no split"
         self.trajectory_microbatch_size = _positive_int("trajectory_microbatch_size", trajectory_microbatch_size,
@@ -285,6 +321,8 @@ class GRPOTrainer(DefaultTrainer):
     loader_participant = RolloutLoaderParticipant
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        if (self.cfg.get("compile") or {}).get("enabled"):  # rollouts call methods torch.compile does not wrap
+            raise ConfigError("compile: GRPOTrainer does not support torch.compile yet; set compile=dict(enabled=False)")
         self._loss_module = _PolicyLoss(model)
         if self.world_size == 1:
             return model
@@ -323,6 +361,32 @@ class GRPOTrainer(DefaultTrainer):
         _format_of(rollout).prepare(rollout, type(model).__name__)
         return rollout
 
+    def _watch_rewards(self, cache: RolloutCache) -> None:
+        """Warn after ``reward_warn_after`` rollouts in a row with nothing to
+        learn from (every reward NaN, or no group whose rewards differ: every
+        advantage 0); stop (exit 1) once every rollout of a whole epoch had only
+        NaN rewards. Rollouts without per-trajectory ``rewards`` and
+        ``event_index`` tensors (upstream's format) are not watched."""
+        trajectories = cache.rollout.get("trajectories")
+        health = _reward_health(trajectories) if isinstance(trajectories, dict) else None
+        if health is None:
+            return
+        finite, groups, spread = health
+        cache.all_nan_run = cache.all_nan_run + 1 if finite == 0 else 0
+        cache.useless_run = cache.useless_run + 1 if finite == 0 or spread == 0 else 0
+        rollouts_per_epoch = max(1, self.iters_per_epoch // self.steps_per_rollout)
+        if cache.all_nan_run >= rollouts_per_epoch:
+            raise DegenerateRewards(
+                f"GRPO: every reward was NaN in the last {cache.all_nan_run} rollouts (a whole epoch, up to step "
+                f"{self.global_step}): {type(self.model_without_ddp).__name__} cannot score its trajectories, so "
+                "every advantage is 0 and nothing is learnt; fix the reward")
+        if cache.useless_run == self.reward_warn_after:
+            what = "every reward was NaN" if cache.all_nan_run >= cache.useless_run else \
+                "no group of trajectories had rewards that differ (every advantage 0)"
+            self.logger.warning(f"GRPO: {what} in the last {cache.useless_run} rollouts (step {self.global_step}); "
+                                "the policy learns nothing from such rollouts: check the reward, or raise "
+                                "num_generations / the sampling temperature")
+
     def _policy_loss(self, micro_batch: dict, update_index: int) -> dict:
         call = self.model if self.model is not self.model_without_ddp else self._loss_module
         return call(micro_batch, update_index=update_index, policy_updates_per_rollout=self.updates_per_rollout)
@@ -335,6 +399,7 @@ class GRPOTrainer(DefaultTrainer):
         rollout = self._sample_rollout(batch)
         self._cache.start(rollout, batch)
         tracer.complete("rollout", t)
+        self._watch_rewards(self._cache)
         if tracer.batch_stats_every:
             tracer.counter("rollout", **{"events": self.batch_size_per_rank, **_format_of(rollout).batch_stats(rollout)})
         self.train_state.samples_seen += self.batch_size_per_rank * self.world_size

@@ -40,6 +40,8 @@ class RolloutCache:
         self.rollout: dict | None = None
         self.batch: dict | None = None  # for hooks' input_dict only; not checkpointed
         self.history: list[dict[str, torch.Tensor]] = []
+        self.all_nan_run = 0  # rollouts in a row whose rewards were all NaN
+        self.useless_run = 0  # rollouts in a row with nothing to learn (all NaN, or no group with a spread)
 
     def start(self, rollout: dict, batch) -> None:
         """Train on ``rollout`` (sampled from ``batch``) from now on."""
@@ -53,7 +55,7 @@ class RolloutCache:
     def state_dict(self) -> dict:
         """The rollout and history on the CPU (None when between rollouts)."""
         return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu"),
-                "step_per": self.step_per}
+                "step_per": self.step_per, "all_nan_run": self.all_nan_run, "useless_run": self.useless_run}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the rollout onto this trainer's device (refused when the
@@ -65,6 +67,8 @@ class RolloutCache:
                                   f"differently; resume with step_per={saved!r}")
         self.rollout = _move(state["rollout"], self.device)
         self.history = _move(list(state["history"]), self.device)
+        self.all_nan_run = int(state.get("all_nan_run", 0))  # absent from older checkpoints
+        self.useless_run = int(state.get("useless_run", 0))
         self.batch = None
 
 
