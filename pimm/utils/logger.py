@@ -1,6 +1,9 @@
-"""The ``pimm`` logger: rank 0 writes ``save_path/train.log`` and the console;
-other ranks report warnings and errors to the console, and their errors
-(a failing rank's own traceback) to ``train.log`` too, marked ``[rankN]``."""
+"""The ``pimm`` logger: rank 0 writes ``save_path/train.log`` and the console
+(stderr, as Python's logging does); other ranks report warnings and errors to
+the console, and their errors (a failing rank's own traceback) to
+``train.log`` too, marked ``[rankN]``. While a tqdm progress bar is on the
+terminal, a console line clears it, prints on a line of its own and redraws
+it, so a log line never shares a line with the bar."""
 
 from __future__ import annotations
 
@@ -22,6 +25,19 @@ class _NotFileOnly(logging.Filter):
 _FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """stderr, stepping around live tqdm bars (``tqdm.external_write_mode``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm_module = sys.modules.get("tqdm")  # no bar can exist unless tqdm was imported
+        bars = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
+        if not bars:
+            super().emit(record)
+            return
+        with tqdm_module.tqdm.external_write_mode(file=self.stream):
+            super().emit(record)
+
+
 def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm",
                  log_name: str = "train.log") -> logging.Logger:
     logger = logging.getLogger(name)
@@ -31,7 +47,7 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(_FORMAT if rank == 0 else f"[rank{rank}] " + _FORMAT, "%Y-%m-%d %H:%M:%S")
-    console = logging.StreamHandler(sys.stdout)
+    console = _ConsoleHandler(sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(formatter)
     console.addFilter(_NotFileOnly())
