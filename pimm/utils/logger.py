@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["setup_logger", "FILE_ONLY"]
+__all__ = ["setup_logger", "FILE_ONLY", "LOG_PREFIX_WIDTH"]
 
 #: ``logger.error(..., exc_info=True, extra=FILE_ONLY)``: a traceback for
 #: ``train.log`` only, behind a one-line error the user already sees.
@@ -23,6 +23,8 @@ class _NotFileOnly(logging.Filter):
         return not getattr(record, "file_only", False)
 
 _FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
+#: characters the console format puts before a message ("[2026-01-31 12:00:00 INFO] ")
+LOG_PREFIX_WIDTH = 27
 
 
 class _ConsoleHandler(logging.StreamHandler):

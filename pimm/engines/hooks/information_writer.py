@@ -15,6 +15,7 @@ import math
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.metrics import reduce_values
+from pimm.utils.logger import LOG_PREFIX_WIDTH
 from pimm.engines.registries import HOOKS
 
 __all__ = ["InformationWriter"]
@@ -34,7 +35,8 @@ class InformationWriter(HookBase):
     Args:
         log_frequency: steps between flushes (each is a cross-rank collective).
         max_extras: at most this many other ``train/*`` scalars beside loss and lr.
-        max_width: longest console line, in characters (at least 80).
+        max_width: longest console line, in characters, the logger's time stamp
+            included (at least 80).
     """
     def __init__(self, log_frequency: int = 20, max_extras: int = 12, max_width: int = 160):
         for name, value, low in (("log_frequency", log_frequency, 1), ("max_extras", max_extras, 0),
@@ -66,10 +68,11 @@ class InformationWriter(HookBase):
         tail = f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
         extras = [f"{tag[6:]} {value:.4g}" for tag, value in window.items() if tag not in ("train/loss", "train/lr")]
         shown: list[str] = []
+        budget = self.max_width - LOG_PREFIX_WIDTH
         for index, item in enumerate(extras):
             hidden = len(extras) - index - 1
             more = f" (+{hidden} in metrics.jsonl)" if hidden else ""
-            if index >= self.max_extras or len(" ".join([head, *shown, item, tail]) + more) > self.max_width:
+            if index >= self.max_extras or len(" ".join([head, *shown, item, tail]) + more) > budget:
                 break
             shown.append(item)
         if len(shown) < len(extras):
