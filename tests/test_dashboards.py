@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,8 @@ def read_tensorboard(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_wandb_offline(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
-    """``{key: [(step, value), ...]}`` and the history rows' steps in order, from an offline run's ``run-*.wandb`` log:
+    """``{key: [(step, value), ...]}`` and the history rows' steps in order
+    (``"exit"`` after them once the run's exit record is written), from an offline run's ``run-*.wandb`` log:
     32 KiB blocks of chunks (crc32 4 bytes, length 2, type 1: full, first,
     middle, last) after a 7-byte header, each record a ``wandb.proto`` Record."""
     from wandb.proto.wandb_internal_pb2 import Record
@@ -131,6 +133,8 @@ def read_wandb_offline(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]
         pos += 7 + length
         if kind in (1, 4):
             record, pending = Record.FromString(pending), b""
+            if record.WhichOneof("record_type") == "exit":  # the run's last record: the log is complete
+                rows.append("exit")
             if record.WhichOneof("record_type") == "history":
                 rows.append(record.history.step.num)
                 for item in record.history.item:
@@ -159,6 +163,12 @@ def test_every_tag_reaches_tensorboard_and_wandb_once_per_window(tmp_path, monke
     tensorboard = read_tensorboard(trainer.save_path / "tensorboard")
     (run_dir,) = (trainer.save_path / "wandb").glob("offline-run-*")
     wandb_points, wandb_rows = read_wandb_offline(run_dir)
+    deadline = time.monotonic() + 60
+    while "exit" not in wandb_rows and time.monotonic() < deadline:  # W&B's service may still be writing
+        time.sleep(0.5)
+        wandb_points, wandb_rows = read_wandb_offline(run_dir)
+    assert wandb_rows[-1] == "exit"
+    wandb_rows = wandb_rows[:-1]
     for name, points in (("TensorBoard", tensorboard), ("W&B", wandb_points)):
         for tag in OPS:
             expected = expected_points(rows, tag)
