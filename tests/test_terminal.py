@@ -166,3 +166,44 @@ def test_without_a_terminal_logs_go_to_stderr_and_no_bar_is_drawn(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert not LOG_LINE.search(done.stdout), done.stdout[-2000:]
     assert len(TRAIN_LINE.findall(done.stderr)) >= 4 and "it/s" not in done.stderr and "%|" not in done.stderr
+
+
+# ----------------------------------------------------------------------------- the ETA and the line width
+
+
+def test_the_eta_counts_evaluation_time(monkeypatch):
+    """Steps of 1 s and a 10 s evaluation after step 4 (a fake clock): the ETA
+    is the wall time per step so far, evaluation included, times the steps left."""
+    from types import SimpleNamespace
+
+    from pimm.engines.hooks import timer as timer_module
+    from pimm.engines.metrics import MetricChannel
+
+    clock = [100.0]
+    monkeypatch.setattr(timer_module.time, "perf_counter", lambda: clock[0])
+    trainer = SimpleNamespace(metrics=MetricChannel(), max_epoch=1, epoch=0, iters_per_epoch=10, iter=0)
+    hook = timer_module.IterationTimer(warmup_iter=1)
+    hook.trainer = trainer
+    hook.before_train()
+    for step in range(1, 7):
+        hook.before_step()
+        clock[0] += 1.0  # the step
+        trainer.iter = step
+        hook.after_step()
+        if step == 4:
+            clock[0] += 10.0  # an evaluation between steps 4 and 5
+    assert trainer.metrics.mean("time/step") == pytest.approx(1.0)  # the step alone
+    # since the end of step 1: 5 steps and one evaluation took 15 s; 4 steps left
+    assert trainer.metrics.latest("time/eta") == pytest.approx(15.0 / 5 * 4)
+
+
+def test_fit_line_keeps_console_lines_within_the_width():
+    from pimm.utils.logger import LOG_PREFIX_WIDTH, fit_line
+
+    items = [f"metric_{i:02d} {i * 1.5:.4g}" for i in range(60)]
+    line = fit_line("Eval at step 100 (3.1s):", items, "", max_width=160)
+    assert len(line) + LOG_PREFIX_WIDTH <= 160 and line.endswith("in metrics.jsonl)")
+    shown = line.count("metric_")
+    assert f"(+{60 - shown} in metrics.jsonl)" in line and shown > 3
+    assert fit_line("head", ["a 1", "b 2"], "tail") == "head a 1 b 2 tail"  # what fits is all shown
+    assert fit_line("head", ["a 1", "b 2"], "tail", max_items=1) == "head a 1 (+1 in metrics.jsonl) tail"

@@ -15,8 +15,8 @@ import math
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.metrics import reduce_values
-from pimm.utils.logger import LOG_PREFIX_WIDTH
 from pimm.engines.registries import HOOKS
+from pimm.utils.logger import fit_line
 
 __all__ = ["InformationWriter"]
 
@@ -67,17 +67,7 @@ class InformationWriter(HookBase):
             head += f" lr {window['train/lr']:.3e}"
         tail = f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
         extras = [f"{tag[6:]} {value:.4g}" for tag, value in window.items() if tag not in ("train/loss", "train/lr")]
-        shown: list[str] = []
-        budget = self.max_width - LOG_PREFIX_WIDTH
-        for index, item in enumerate(extras):
-            hidden = len(extras) - index - 1
-            more = f" (+{hidden} in metrics.jsonl)" if hidden else ""
-            if index >= self.max_extras or len(" ".join([head, *shown, item, tail]) + more) > budget:
-                break
-            shown.append(item)
-        if len(shown) < len(extras):
-            shown.append(f"(+{len(extras) - len(shown)} in metrics.jsonl)")
-        trainer.logger.info(" ".join([head, *shown, tail]))
+        trainer.logger.info(fit_line(head, extras, tail, self.max_width, self.max_extras))
 
     def after_epoch(self):
         self.trainer.metrics.flush()
