@@ -152,6 +152,7 @@ def test_on_a_terminal_log_lines_never_share_a_line_with_the_progress_bar(tmp_pa
     for line in train_lines:  # forty extra scalars do not make a 700-character line
         assert len(line) <= 160, line
         assert re.search(r"\(\+\d+ in metrics\.jsonl\)", line), line
+    assert all(len(line) <= 160 for line in logged if "Eval at step" in line)
     # the console's loss is TensorBoard's loss for the same window
     board = dict(read_tensorboard(tmp_path / "run" / "tensorboard")["train/loss"])
     for line in train_lines:
