@@ -258,3 +258,12 @@ def test_fsdp_shards_each_network_trains_like_ddp_and_resumes_exactly(tmp_path):
     killed.train("batch_size=32", "parallel.strategy=fsdp", "resume=True", num_gpus=2)
     assert killed.log().count("Resumed from step000000003") == 1
     assert_same_tensors(final_weights(killed.save)["state_dict"], got, "FSDP model_last.pth after the resume")
+
+
+def test_a_hook_acting_on_the_single_optimizer_lr_is_refused_in_one_line(tmp_path):
+    trainer = make_trainer(tmp_path, extra='hooks = [dict(type="RingGANEvaluator"), '
+                                           'dict(type="ReduceLROnPlateau", monitor="val/stat_gap")]\n')
+    with pytest.raises(UserError) as info:
+        trainer.train()
+    assert "ReduceLROnPlateau acts on a single optimizer" in str(info.value) and "(disc, gen)" in str(info.value)
+    assert "\n" not in str(info.value)

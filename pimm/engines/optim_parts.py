@@ -41,7 +41,7 @@ from pimm.engines.state.sharded import ShardedOptimizerParticipant
 from pimm.utils.errors import ConfigError, UserError
 
 __all__ = ["OptimPart", "optimizer_parts", "model_parts", "build_optim_parts", "part_participants",
-           "scheduled_group_keys"]
+           "scheduled_group_keys", "all_optimizers", "single_optimizer_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +168,22 @@ def part_participants(parts: dict[str, OptimPart], model: nn.Module, sharded: bo
         entries.append((f"scheduler/{name}", SchedulerParticipant(part.scheduler), "shared"))
         entries.append((f"scaler/{name}", part.scaler, "shared"))
     return entries
+
+
+def all_optimizers(trainer) -> list[torch.optim.Optimizer]:
+    """Every optimizer ``trainer`` steps: its one ``optimizer``, or each part's."""
+    parts = getattr(trainer, "optim_parts", None) or {}
+    if parts:
+        return [part.optimizer for part in parts.values()]
+    optimizer = getattr(trainer, "optimizer", None)
+    return [optimizer] if optimizer is not None else []
+
+
+def single_optimizer_problem(trainer, who: str) -> str | None:
+    """Why ``who`` (a hook acting on *the* optimizer's lr) cannot work on this
+    trainer's several optimizers, or None when there is one."""
+    parts = getattr(trainer, "optim_parts", None) or {}
+    if not parts:
+        return None
+    return (f"{who} acts on a single optimizer's learning rate; this run has one per model part "
+            f"({', '.join(parts)}): schedule each part with scheduler = dict(<part>=dict(type=...))")
