@@ -12,7 +12,9 @@ batch_size_val = 250
 num_worker = 0
 
 train = dict(type="GANTrainer")  # updates the parts in the optimizer's order: disc, then gen
-model = dict(type="RingGAN", image_size=(16, 32), channels=1, latent_dim=32, width=16, depth=3)
+# max_value: the generator's soft ceiling on log1p(charge); 4.5 (~90 PE in a pixel) keeps a few
+# over-bright pixels from dominating the total charge (0.4 % of real hit pixels are brighter).
+model = dict(type="RingGAN", image_size=(16, 32), channels=1, latent_dim=32, width=16, depth=3, max_value=4.5)
 # One optimizer per submodule of the model, named after it (model.disc, model.gen).
 optimizer = dict(
     disc=dict(type="Adam", lr=2e-4, betas=(0.5, 0.999)),
