@@ -150,6 +150,7 @@ class TrainerBase:
             if not isinstance(exc, UserError):
                 self.logger.exception(f"Training failed at epoch {self.epoch + 1}, step {self.global_step}")
                 exc._pimm_logged = True  # the launcher must not log it a second time
+            self.report_failure(exc)
             self.call_hooks("on_exception", exc)
             raise
         finally:
@@ -251,6 +252,9 @@ class TrainerBase:
 
     def close(self) -> None:
         """Release resources (writers, loader workers); called once at the end."""
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Record a failure where the user looks (the dashboards); must not raise."""
 
 
 def _traced_hook(tracer, hook, phase: str):

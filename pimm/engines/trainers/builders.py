@@ -19,6 +19,7 @@ from pimm.engines.optim import build_optimizer
 from pimm.engines.parallel import shard_model
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
 from pimm.engines.scheduler import build_scheduler
+from pimm.engines.wandb_options import wandb_init_options
 from pimm.engines.writers import MetricsWriter
 from pimm.utils.config_dict import to_plain
 from pimm.utils.errors import ConfigError
@@ -197,7 +198,7 @@ class ComponentBuilders:
         cfg = self.cfg
         return MetricsWriter(
             self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,
-            wandb_init=dict(project=cfg.wandb_project, name=self.save_path.name, config=to_plain(cfg)),
+            wandb_init=wandb_init_options(cfg, self.save_path, config=to_plain(cfg)) if cfg.use_wandb else None,
             logger=self.logger,
         )
 

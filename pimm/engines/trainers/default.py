@@ -426,6 +426,15 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 return super().train()
         return super().train()
 
+    def report_failure(self, exc: BaseException) -> None:
+        """The exception to TensorBoard text and the W&B summary (rank 0)."""
+        if getattr(self, "writer", None) is None:
+            return
+        try:
+            self.writer.record_exception(exc, self.global_step)
+        except Exception as err:  # noqa: BLE001
+            self.logger.error(f"The failure could not be written to the dashboards: {err}")
+
     def close(self) -> None:
         checkpointer = getattr(self, "checkpointer", None)
         if checkpointer is not None and self.outcome == "failed":
