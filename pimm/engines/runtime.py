@@ -190,6 +190,10 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("resume", False, _resume,
                "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; "
                "a checkpoint folder's path: continue from that one"),
+    RuntimeKey("validate_on_resume", False, _bool,
+               "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
+    RuntimeKey("scheduler_interval", 1, _int(1),
+               "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
     RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
     RuntimeKey("enable_amp", False, _bool, "mixed precision (autocast)"),
