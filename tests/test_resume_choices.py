@@ -116,8 +116,9 @@ def test_a_damaged_chosen_checkpoint_is_refused_and_nothing_moves(tmp_path, fini
 
 
 def test_a_checkpoint_of_another_model_does_not_fit(tmp_path, finished):
-    message = refusal(tmp_path, folder(finished, 6), error=Exception, extra='model = dict(type="ToyMLP", hidden=16)\n')
-    assert "model" in message
+    message = refusal(tmp_path, folder(finished, 6), extra='model = dict(type="ToyMLP", hidden=16)\n')
+    assert "does not fit model ToyMLP (shape-mismatched net.0.weight (32, 8) vs (16, 8)" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_the_command_line_refuses_a_weights_file_as_resume_with_exit_2(tmp_path, finished):
