@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["setup_logger", "FILE_ONLY"]
+__all__ = ["setup_logger", "FILE_ONLY", "log_file"]
 
 #: ``logger.error(..., exc_info=True, extra=FILE_ONLY)``: a traceback for
 #: ``train.log`` only, behind a one-line error the user already sees.
@@ -20,6 +20,27 @@ class _NotFileOnly(logging.Filter):
         return not getattr(record, "file_only", False)
 
 _FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
+
+
+class _LogFile(logging.FileHandler):
+    """``train.log``. A record it cannot write (a full or read-only disk) is
+    dropped and remembered, never reported on stderr by logging's
+    "--- Logging error ---" traceback: the run's one ``error:`` line says
+    what happened, and whether the log holds the traceback."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
+
+
+def log_file(name: str = "pimm") -> Path | None:
+    """The log file of logger ``name`` when it has one and every record so far
+    was written to it; None otherwise (no file yet, or a write failed)."""
+    for handler in logging.getLogger(name).handlers:
+        if isinstance(handler, _LogFile):
+            return None if handler.failed else Path(handler.baseFilename)
+    return None
 
 
 def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm",
@@ -38,7 +59,7 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
     logger.addHandler(console)
     if save_path is not None:
         Path(save_path).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(save_path) / log_name, mode="a")
+        file_handler = _LogFile(Path(save_path) / log_name, mode="a")
         file_handler.setLevel(logging.INFO if rank == 0 else logging.ERROR)
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
