@@ -96,7 +96,7 @@ def test_what_is_not_a_usable_checkpoint_is_refused_in_one_line(tmp_path, finish
     assert "is a file, not a resumable checkpoint" in refusal(tmp_path / "a", finished / "model" / "model_last.pth")
     message = refusal(tmp_path / "b", finished)
     assert "is not a checkpoint folder" in message and "step000000012-epoch0003" in message
-    assert "no such checkpoint" in refusal(tmp_path / "c", tmp_path / "nowhere", error=ConfigError)
+    assert "there is no such checkpoint" in refusal(tmp_path / "c", tmp_path / "nowhere", error=ConfigError)
     # Another run's checkpoint into a save_path that has checkpoints of its own.
     own = copy_run(finished, tmp_path / "d")
     other = copy_run(finished, tmp_path / "e")

@@ -91,8 +91,9 @@ def _resume(key, value):
     if isinstance(value, (str, os.PathLike)) and str(value) and str(value) not in ("True", "False", "true", "false"):
         path = Path(os.path.expanduser(str(value)))
         if not path.exists():
-            raise ConfigError(f"{key}={str(value)!r}: no such checkpoint; give a checkpoint folder like "
-                              "<save_path>/checkpoints/step000000100-epoch0001, True (the newest) or 'allow_fresh'")
+            raise ConfigError(f"{key}={str(value)!r} is invalid: it takes True, False, 'allow_fresh' or the path of "
+                              "a checkpoint folder (e.g. <save_path>/checkpoints/step000000100-epoch0001), and there "
+                              "is no such checkpoint")
         return str(path)
     raise ConfigError(f"{key}={value!r} is invalid: it takes True, False, 'allow_fresh' (resume, or start fresh "
                       "when no usable checkpoint exists) or the path of a checkpoint folder to resume from")
