@@ -207,3 +207,16 @@ def test_init_options_map_every_key():
                            resume="must", notes="cmd", config={"a": 1}, step_offset=7)
     bare = wandb_init_options(ConfigDict(wandb_project="p"), "/x/runs/exp3")
     assert bare == dict(project="p", name="exp3", resume="allow", step_offset=0)
+
+
+def test_a_fork_gets_its_own_run_and_an_explicit_id_wins_over_the_checkpoints(tmp_path):
+    first = train(tmp_path / "a", epoch=2)
+    (original,) = of_kind(wandb_records(first.save_path), "run")
+    chosen = sorted((first.save_path / "checkpoints").iterdir())[0]
+    fork = train(tmp_path / "b", f"resume={chosen}", epoch=2)  # another run's checkpoint: a new W&B run
+    (forked,) = of_kind(wandb_records(fork.save_path), "run")
+    assert forked.run_id != original.run_id and fork.writer.wandb_run_id == forked.run_id
+    assert min(history(wandb_records(fork.save_path))) > 4  # its W&B history starts after the checkpoint
+    resumed = train(tmp_path / "a", "resume=True", "epoch=3", "wandb_run_id=chosen-by-me", epoch=3)
+    runs = of_kind(wandb_records(resumed.save_path, runs=2), "run")
+    assert [r.run_id for r in runs] == [original.run_id, "chosen-by-me"]
