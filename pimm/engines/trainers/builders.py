@@ -180,8 +180,8 @@ class ComponentBuilders:
     def build_scheduler(self):
         spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
         # scheduler_interval=N: the scheduler steps once every N updates, so the schedule has total // N steps.
-        interval = self.cfg.get("scheduler_interval", 1)
-        return build_scheduler(spec, self.optimizer, total_steps=max(1, self.iters_per_epoch * self.max_epoch // interval))
+        total = max(1, self.iters_per_epoch * self.max_epoch // self.cfg.get("scheduler_interval", 1))
+        return build_scheduler(spec, self.optimizer, total_steps=total)
 
     def _scheduled_group_keys(self) -> tuple[str, ...]:
         """Group keys the scheduler sets per step (the lr, a cycled momentum)."""
