@@ -125,8 +125,9 @@ def test_the_command_line_refuses_a_weights_file_as_resume_with_exit_2(tmp_path,
     config = write_toy_config(tmp_path, tmp_path / "run")
     result = run_tool("train", config, f"resume={finished / 'model' / 'model_last.pth'}")
     assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: resume=") and "use weight=<file>" in lines[0]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: resume=") and "use weight=<file>" in errors[0]
+    assert "Traceback" not in result.stderr
 
 
 # -- validate_on_resume -----------------------------------------------------------------------------

@@ -190,7 +190,8 @@ def test_the_command_line_refuses_an_unknown_wandb_key_in_one_line(tmp_path):
     config = write_toy_config(tmp_path, tmp_path / "run", "\nwandb_jobtype = 'train'\n")
     result = run_tool("train", config)
     assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert lines == ["error: unknown W&B key 'wandb_jobtype'; did you mean 'wandb_job_type'? (known: "
                      + ", ".join(["wandb_project", "wandb_entity", "wandb_run_name", "wandb_group", "wandb_job_type",
                                   "wandb_tags", "wandb_run_id", "wandb_resume", "launch_command", "log_step_offset",
