@@ -138,6 +138,8 @@ def build_optim_parts(cfg, model: nn.Module, wrapped: nn.Module, total_steps: in
                            parts, lambda v: v is None or (isinstance(v, dict) and "type" in v), require_all=True)
     clips = _per_part("clip_grad", cfg.get("clip_grad"), parts, lambda v: not isinstance(v, dict))
     groups = _per_part("param_dicts", cfg.get("param_dicts"), parts, lambda v: v is None)
+    interval = cfg.get("scheduler_interval", 1)
+    total_steps = max(1, total_steps // interval)  # each schedule steps once every `interval` updates
     built = {}
     for name in parts:
         try:
@@ -148,14 +150,15 @@ def build_optim_parts(cfg, model: nn.Module, wrapped: nn.Module, total_steps: in
             raise type(err)(f"optimizer part {name!r}: {err}") from None
         scaler = make_scaler()
         step = OptimStep(optimizer, scheduler=scheduler, scaler=scaler, clip_grad=clips[name], model=wrapped,
-                         track_grad_norm=cfg.log_grad_norm)
+                         track_grad_norm=cfg.log_grad_norm, scheduler_interval=interval)
         built[name] = OptimPart(name, modules[name], optimizer, scheduler, scaler, step)
     return built
 
 
 def part_participants(parts: dict[str, OptimPart], model: nn.Module, sharded: bool) -> list[tuple]:
     """``(name, participant, scope)`` for every part's optimizer, scheduler and
-    scaler: ``optimizer/<part>``, ``scheduler/<part>``, ``scaler/<part>``.
+    scaler: ``optimizer/<part>``, ``scheduler/<part>``, ``scaler/<part>`` (and
+    ``optim_step/<part>``, its update count, with ``scheduler_interval`` > 1).
     Under FSDP the optimizers go through Distributed Checkpoint (``model`` is
     the sharded root, whose parameter names key the state)."""
     entries = []
@@ -167,6 +170,8 @@ def part_participants(parts: dict[str, OptimPart], model: nn.Module, sharded: bo
             entries.append((f"optimizer/{name}", OptimizerParticipant(part.optimizer, keys), "shared"))
         entries.append((f"scheduler/{name}", SchedulerParticipant(part.scheduler), "shared"))
         entries.append((f"scaler/{name}", part.scaler, "shared"))
+        if part.step.scheduler_interval > 1:  # where the part's next scheduler step falls
+            entries.append((f"optim_step/{name}", part.step, "shared"))
     return entries
 
 
