@@ -267,3 +267,12 @@ def test_a_hook_acting_on_the_single_optimizer_lr_is_refused_in_one_line(tmp_pat
         trainer.train()
     assert "ReduceLROnPlateau acts on a single optimizer" in str(info.value) and "(disc, gen)" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_scheduler_interval_applies_to_every_part(tmp_path):
+    trainer = make_trainer(tmp_path, "scheduler_interval=2")
+    for name in ("disc", "gen"):
+        assert trainer.optim_steps[name].scheduler_interval == 2
+        assert f"optim_step/{name}" in trainer.checkpointer.participants()
+    # the cosine schedule of gen spans the 12 updates in 6 scheduler steps
+    assert trainer.optim_parts["gen"].scheduler.total_steps == TOTAL // 2
