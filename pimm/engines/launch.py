@@ -25,7 +25,7 @@ from pathlib import Path
 from pimm.distributed.spawn import spawn_local
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
-from pimm.engines.resume_config import ignored_file_keys, recorded_config, run_dir_options
+from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.engines.tracing import build_tracer
@@ -97,16 +97,21 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     cfg = Config.fromfile(config_file)
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
-    hooks = _resolve(cfg, world_size, mode)
-    record = recorded_config(cfg.save_path) if mode == "train" and cfg.resume else None
+    cfg.set_command_options(options)
+    hooks = _resolve(cfg, world_size, mode)  # the command line itself must be valid, resume or not
+    record = None
+    if mode == "train" and cfg.resume:
+        resumed, record, note = resume_config(config_file, options, cfg, apply_runtime_defaults)
+        if record is not None:
+            cfg = resumed
+            hooks = _resolve(cfg, world_size, mode)
     if record is not None:
-        from_file = cfg
-        cfg = record
-        apply_runtime_defaults(cfg)  # keys added to pimm since the run started
-        cfg.save_path, cfg.resume = from_file.save_path, from_file.resume
-        cfg.merge_from_options(options)
-        hooks = _resolve(cfg, world_size, mode)
-        object.__setattr__(cfg, "_resume_note", ignored_file_keys(from_file, cfg))
+        # The file ignored or the options applied again, then every difference from the record: once, in the log.
+        changed = differences(record, cfg)
+        lines = [f"Resuming {cfg.save_path}: {note}"] if note else []
+        if changed:
+            lines.append("the config differs from the run's record in: " + "; ".join(changed))
+        object.__setattr__(cfg, "_resume_note", "; ".join(lines) or None)
     if mode == "train" and check_save_path:
         guard_fresh_run(cfg)
     elif mode == "test" and not cfg.weight:
