@@ -11,10 +11,12 @@ The rule (docs/checkpoints.md, "Which config a resume uses"). Every run
 records the ``--options`` it was started with in the header of its
 ``save_path/config.py``. With ``resume=True`` the config is
 
-    the config file  +  the run's recorded options  +  the options given now
+    the config file  +  the run's recorded options that define it  +  the options given now
 
-so a resume given without the earlier overrides continues the same run, an
-edit of the config file and a new option are deliberate changes, and each
+(those that define it: epoch, model, optimizer, scheduler, data, batch
+sizes, seed, ... — :data:`RUN_DEFINING`; hook and logging options belong to
+one attempt), so a resume given without the earlier overrides continues the
+same run, an edit of the config file and a new option are deliberate changes, and each
 difference from the run's record is listed once in the log. A change that no
 longer fits the run (a schedule shorter than the step reached) stops with exit
 2 when the checkpoint is restored, before anything in the run directory is
@@ -38,6 +40,13 @@ __all__ = ["RECORD", "recorded_config", "resume_config", "run_dir_options", "dif
 RECORD = "config.py"
 # Keys a resume takes from where it runs, never from the record.
 _LOCAL_KEYS = ("save_path", "resume")
+# Top-level keys whose start options define the run, so a resume applies them
+# again; the others (hooks, logging, intervals, save_path) are the command
+# line's: a hook option such as a fault injection or a log frequency is a
+# condition of one attempt, not part of the run.
+RUN_DEFINING = ("epoch", "model", "optimizer", "scheduler", "data", "param_dicts", "batch_size", "batch_size_val",
+                "grad_accum_steps", "seed", "clip_grad", "enable_amp", "amp_dtype", "train", "num_worker",
+                "parallel", "custom_imports", "gradient_checkpointing")
 
 
 def recorded_config(save_path: str | Path) -> Config | None:
@@ -80,12 +89,14 @@ def resume_config(config_file: str, options: list[str], from_command_line: Confi
         cfg, note = Config.fromfile(str(record_path)), None
         started_with = started_with or []
     elif started_with is None:
-        cfg = record  # a record without its options: the record is the run
-        note = "kept from the run's record (config.py), which the config file differs from"
+        cfg = Config.fromfile(str(record_path))  # a record without its options: the record is the run
+        ignored = differences(record, from_command_line)
+        note = ("kept from the run's record (config.py, written before pimm recorded a run's options), where the "
+                f"command line differs from it: {'; '.join(ignored)}" if ignored else None)
         started_with = []
     else:
         cfg = Config.fromfile(config_file)
-        again = _still_standing(started_with, options)
+        again = [t for t in _still_standing(started_with, options) if _defines_the_run(t)]
         note = f"the options this run was started with, applied again: {' '.join(again)}" if again else None
         defaults(cfg)
         try:
@@ -97,8 +108,12 @@ def resume_config(config_file: str, options: list[str], from_command_line: Confi
     defaults(cfg)  # keys added to pimm since the run started
     cfg.merge_from_options(options)
     cfg.save_path, cfg.resume = save_path, resume
-    cfg.set_command_options([*_still_standing(started_with, options), *options])
+    cfg.set_command_options([*(t for t in _still_standing(started_with, options) if _defines_the_run(t)), *options])
     return cfg, record, note
+
+
+def _defines_the_run(token: str) -> bool:
+    return token.partition("=")[0].lstrip("+").strip().split(".")[0] in RUN_DEFINING
 
 
 def _still_standing(earlier: list[str], now: list[str]) -> list[str]:
