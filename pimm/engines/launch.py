@@ -49,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(mode: str) -> _Parser:
     parser = _Parser(prog=f"tools/{mode}.py", description=f"pimm {mode}")
-    parser.add_argument("--config-file", metavar="CFG", help="Python config file")
+    parser.add_argument("--config-file", metavar="CFG", required=mode != "train",
+                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else ""))
     if mode == "train":
         parser.add_argument("--resume", metavar="RUN_DIR",
                             help="continue the run in RUN_DIR from its own recorded config.py (no --config-file "

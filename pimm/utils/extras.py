@@ -9,7 +9,7 @@ displays), ``wandb`` (``use_wandb=True``), ``tensorboard`` (the viewer for
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 from .errors import UserError
 
@@ -23,9 +23,7 @@ class MissingExtra(UserError):
 def require(module: str, extra: str, feature: str) -> None:
     """Raise :class:`MissingExtra` naming ``pip install "pimm[extra]"`` when ``module`` cannot be imported."""
     try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+        importlib.import_module(module)  # the feature imports it next anyway
+    except ImportError:
         raise MissingExtra(f"{feature} needs {module}, which is not installed: pip install \"pimm[{extra}]\" "
                            f"(or pip install {module})")
