@@ -93,8 +93,8 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     """The validated config and its built hooks (see the module docstring for the
     order). ``check_save_path``: refuse a fresh run over an earlier one's results
     (the launcher does it itself once it holds the run lock). A resume runs
-    the run's recorded ``config.py`` with ``options`` on top
-    (:mod:`pimm.engines.resume_config`)."""
+    the file, the options the run was started with (recorded in its
+    ``config.py``) and ``options`` (:mod:`pimm.engines.resume_config`)."""
     cfg = Config.fromfile(config_file)
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
@@ -257,6 +257,8 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
 
 
 def _record_config_after_restore(trainer, cfg) -> None:
+    """Write ``config.py`` right after the trainer restored its checkpoint, so
+    that a resume refused while restoring leaves the run's record untouched."""
     restore = trainer.restore
 
     def restore_then_record():
