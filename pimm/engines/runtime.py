@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
@@ -215,6 +216,9 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("test_only", False, _bool, "tools/train.py scores `weight` on data.test instead of training"),
     RuntimeKey("test", None, _dict_or_none,
                "a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)"),
+    RuntimeKey("iters_per_epoch", None, _int(1, allow_none=True),
+               "steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes "
+               "// batch per process"),
     RuntimeKey("mix_prob", 0.0, _unit_interval, "probability that the train collate mixes pairs of events"),
     RuntimeKey("matmul_precision", None, _choice_or_none("highest", "high", "medium"),
                "torch.set_float32_matmul_precision (None: leave torch's)"),
@@ -226,6 +230,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("find_unused_parameters", False, _bool, "passed to DDP (also a train option)"),
     RuntimeKey("parallel", DEFAULT_PARALLEL, check_parallel,
                "strategy 'ddp' (replicas) or 'fsdp' (FSDP2 sharding; options in docs/distributed.md)"),
+    RuntimeKey("compile", DEFAULT_COMPILE, check_compile,
+               "torch.compile the training model (enabled=True; mode/dynamic/fullgraph/backend as torch.compile's)"),
     RuntimeKey("prefetch_factor", None, _int(1, allow_none=True),
                "batches each data worker loads ahead (None: torch's default, 2)"),
     RuntimeKey("structured_logging", dict(enabled=False, trace_hooks=False, batch_stats_every=1,

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset, default_collate
 
 from pimm.engines import data as data_lib
+from pimm.engines.compile import compile_model
 from pimm.engines.grad_checkpoint import apply_gradient_checkpointing
 from pimm.engines.optim import build_optimizer
 from pimm.engines.parallel import shard_model
@@ -45,14 +46,18 @@ class ComponentBuilders:
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the loss is computed through: DDP when distributed, or the
-        model itself sharded in place under ``parallel.strategy='fsdp'``."""
+        model itself sharded in place under ``parallel.strategy='fsdp'``;
+        wrapped by ``torch.compile`` when the ``compile`` key enables it."""
         if self.world_size == 1:
-            return model
-        if self.parallel.fsdp:
-            return shard_model(model, self.parallel, self.device, self.world_size, self.logger)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
-            self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))
+            wrapped = model
+        elif self.parallel.fsdp:
+            wrapped = shard_model(model, self.parallel, self.device, self.world_size, self.logger)
+        else:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
+                self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))
+        # Compiled outermost; the model itself (checkpoints, EMA) stays the plain module.
+        return compile_model(wrapped, self.cfg.get("compile"), type(model).__name__, self.logger)
 
     @property
     def num_workers_per_rank(self) -> int:
@@ -140,21 +145,29 @@ class ComponentBuilders:
             self._test_loader = self.build_test_loader()
         return self._test_loader
 
-    def _compute_iters_per_epoch(self) -> int:
-        dataset = self.train_loader.dataset
-        explicit = self.options["iters_per_epoch"]
+    def explicit_iters_per_epoch(self) -> int | None:
+        """The epoch length the config sets: ``train.iters_per_epoch``, else the
+        top-level ``iters_per_epoch`` (upstream's key) for iterable data; None: derived."""
+        explicit, top = self.options["iters_per_epoch"], self.cfg.get("iters_per_epoch")
         if explicit is not None:
             if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0:
                 raise ConfigError(f"train.iters_per_epoch={explicit!r} must be a positive integer")
+            if top is not None and top != explicit:
+                raise ConfigError(f"iters_per_epoch={top} and train.iters_per_epoch={explicit} disagree: set one")
+            return explicit
+        return top if isinstance(self.train_loader.dataset, IterableDataset) else None
+
+    def _compute_iters_per_epoch(self) -> int:
+        dataset = self.train_loader.dataset
+        explicit = self.explicit_iters_per_epoch()
+        if explicit is not None:
             return explicit
         if isinstance(dataset, IterableDataset):
-            if not hasattr(dataset, "num_samples"):
-                raise ConfigError(
-                    f"{type(dataset).__name__} is an iterable data set: set train.iters_per_epoch "
-                    "or give the data set a num_samples() method"
-                )
-            batches = dataset.num_samples() // self.batch_size_per_rank
+            batches = data_lib.stream_batches_per_rank(dataset, self.world_size, self.batch_size_per_rank)
         else:
+            if self.cfg.get("iters_per_epoch") is not None:
+                self.logger.warning(f"iters_per_epoch={self.cfg.iters_per_epoch} is ignored: the training set is "
+                                    "map-style and an epoch is one pass over it (as upstream)")
             batches = len(self.train_loader)
         iters = self.iters_for_batches(batches)
         if iters <= 0:
@@ -204,10 +217,15 @@ class ComponentBuilders:
 
 def _with_mix_prob(collate, mix_prob: float):
     """The train collate with ``mix_prob`` (upstream's runtime key): only a collate
-    that mixes events takes it (``point_collate_fn``)."""
+    that mixes events takes it; one that names a mixing variant as its ``mixing``
+    attribute (the plain point collate: ``point_collate_fn``) is replaced by it."""
     import inspect
 
     target = collate.func if isinstance(collate, functools.partial) else collate
+    mixing = getattr(target, "mixing", None)
+    if mixing is not None:
+        collate = functools.partial(mixing, **collate.keywords) if isinstance(collate, functools.partial) else mixing
+        target = mixing
     try:
         takes = "mix_prob" in inspect.signature(target).parameters
     except (TypeError, ValueError):

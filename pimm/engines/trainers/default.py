@@ -23,7 +23,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
 from pimm.engines.optim_step import OptimStep
-from pimm.engines.parallel import full_parameters, full_state_dict, is_sharded, parallel_config
+from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.runtime import apply_process_settings, validate_runtime
@@ -117,6 +117,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         if not self.parallel.fsdp:
             self.track("model", ModelParticipant(self.model_without_ddp))
         elif self.world_size == 1:
+            check_shard_modules(self.model_without_ddp, self.parallel)  # as shard_model does on several
             self.logger.info("parallel.strategy='fsdp' with one process: the model is not sharded; checkpoints "
                              "keep the sharded (Distributed Checkpoint) format")
         self.model = self.wrap_model(self.model_without_ddp)
@@ -355,8 +356,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         try:
             with self.autocast():
                 output = self.model(batch)
-        except torch.OutOfMemoryError:
-            raise  # not a model/data mismatch: the batch does not fit (train.oom_backoff can split it)
+        except (torch.OutOfMemoryError, UserError):
+            raise  # not a model/data mismatch: the batch does not fit, or a named failure (compile)
         except Exception as err:
             self.logger.error("The model's first forward pass failed", exc_info=True, extra=FILE_ONLY)
             detail = str(err).splitlines()[0] if str(err) else ""
@@ -380,9 +381,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         step_loss = None
         tracer = self.tracer
         kept = [] if self.oom_backoff is not None else None  # the step's batches, to redo them after an OOM
+        sizes = []  # (points, events) of point-cloud batches, for train/avg_pts
         try:
             for micro in range(accum):
                 batch = self.next_batch()
+                sizes.append(data_lib.point_batch_size(batch))
                 if kept is not None:
                     kept.append(batch)
                 with optim_step.sync(last=micro == accum - 1):
@@ -398,6 +401,9 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 raise
             output = loss = None  # the failed attempt's graph must not outlive it
             batch, output, step_loss = self.oom_backoff.redo_step(self, kept, oom)
+        avg_pts = data_lib.points_per_sample(sizes)
+        if avg_pts is not None and isinstance(output, dict):
+            output = {**output, "avg_pts": avg_pts}  # logged with the model's scalars, as upstream
         # Visible to after_backward hooks (called inside step()) and after_step hooks.
         info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
         t = tracer.now()
