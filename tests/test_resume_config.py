@@ -69,8 +69,10 @@ def test_a_schedule_that_no_longer_fits_is_refused_and_nothing_changes(tmp_path)
     # Before the fix: config.py rewritten (the original moved to config.prev1.py), then a raw ValueError, exit 1.
     refused = run_tool("train", cfg, "resume=True", "epoch=2")
     assert refused.returncode == 2, refused.stderr
-    line = refused.stderr.strip()
-    assert len(line.splitlines()) == 1 and line.startswith("error: resume: the LR schedule now lasts 20")
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and refused.stderr.strip().splitlines()[-1] == errors[0]
+    line = errors[0]
+    assert line.startswith("error: resume: the LR schedule now lasts 20")
     assert "already at step 40" in line and "Traceback" not in refused.stderr
     assert _snapshot(save) == before
     # Without the override it is the finished run: nothing to train, exit 0.
