@@ -10,6 +10,7 @@ batch_size_val = None  # global; None = batch_size
 num_worker = 0  # global data-loading workers, split across processes
 resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable
 weight = None  # warm-start weights (a .pth file)
+weight_key_map = None  # warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys
 evaluate = True  # run the evaluator hooks
 enable_amp = False  # mixed precision (autocast)
 amp_dtype = 'bfloat16'  # 'float16' needs CUDA (uses a GradScaler)

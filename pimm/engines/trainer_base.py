@@ -94,7 +94,7 @@ class TrainerBase:
         self.hooks = sorted(self.hooks + list(hooks), key=lambda h: h.priority)
         traced = self.tracer.enabled and self.tracer.trace_hooks
         self._dispatch = {
-            phase: tuple(_traced_hook(self.tracer, h, phase) if traced else getattr(h, phase)
+            phase: tuple(_traced_hook(self.tracer, h, phase) if traced else h.phase_callable(phase)
                          for h in self.hooks if h.overrides(phase))
             for phase in PHASES
         }
@@ -255,7 +255,7 @@ class TrainerBase:
 
 def _traced_hook(tracer, hook, phase: str):
     """``hook.<phase>`` recording its own span (``structured_logging.trace_hooks``)."""
-    fn = getattr(hook, phase)
+    fn = hook.phase_callable(phase)
     name = f"{phase}:{type(hook).__name__}"
 
     def traced(*args):

@@ -81,18 +81,17 @@ class ComponentBuilders:
 
     def _make_train_loader(self, dataset, sampler=None):
         # Only iterable data sets resume from the loader's own snapshots (see
-        # LoaderParticipant); take them at the checkpoint cadence, not per step.
-        iterable = isinstance(dataset, IterableDataset)
-        if not iterable and len(dataset) == 0:
+        # LoaderParticipant); they are taken at the checkpoint cadence, which
+        # CheckpointSaver sets later (DefaultTrainer.align_data_snapshots).
+        if not isinstance(dataset, IterableDataset) and len(dataset) == 0:
             raise ConfigError(f"data.train ({type(dataset).__name__}) is empty: nothing to train on")
-        interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
         collate = self._resolve_collate(self.options["collate_fn"], dataset)
         if self.cfg.mix_prob:
             collate = _with_mix_prob(collate, self.cfg.mix_prob)
         return data_lib.build_train_loader(
             dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
             seed=self.cfg.seed, rank=self.rank, world_size=self.world_size, collate_fn=collate,
-            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
+            pin_memory=self.device.type == "cuda", sampler=sampler,
             prefetch_factor=self.cfg.prefetch_factor,
         )
 

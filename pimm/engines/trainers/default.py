@@ -27,7 +27,7 @@ from pimm.engines.parallel import full_parameters, full_state_dict, is_sharded, 
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.runtime import apply_process_settings, validate_runtime
-from pimm.engines.state import CheckpointManager, Retention, atomic_torch_save, load_weights, restore_latest
+from pimm.engines.state import CheckpointManager, atomic_torch_save, load_weights, restore_latest
 from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
                                              TrainStateParticipant)
@@ -120,9 +120,6 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             self.logger.info("parallel.strategy='fsdp' with one process: the model is not sharded; checkpoints "
                              "keep the sharded (Distributed Checkpoint) format")
         self.model = self.wrap_model(self.model_without_ddp)
-        self._checkpoint_interval = min(
-            [h.checkpoint_interval for h in hooks if getattr(h, "checkpoint_interval", None)] or [0]
-        )
         with tracer.long_span("build_loaders"):
             self.train_loader = self.build_train_loader()
             self.iters_per_epoch = self._compute_iters_per_epoch()
@@ -162,10 +159,6 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.track("hooks", HooksParticipant(self), scope="rank")
         for evaluator in self.evaluators:
             evaluator.declare_metrics(self.metrics)
-        for hook in hooks:
-            if isinstance(getattr(hook, "retention", None), Retention):
-                self.checkpointer.retention = hook.retention
-                self.checkpointer.async_write = hook.async_write
         with tracer.long_span("build_hooks"):
             self.register_hooks(hooks)
         if not hooks:
@@ -205,8 +198,6 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                     self.logger.info(f"This run had stopped early at step {state.global_step} ({state.stop_reason}); "
                                      "resuming continues it")
                     state.stop_reason = None
-                if comm.is_main_process():
-                    self.checkpointer.apply_retention()  # leftovers follow the current retention policy
                 self.logger.info(
                     f"Resumed from {context.path.name}: {state.epoch} epoch(s) done, step {state.global_step}"
                     + (f", {state.iter_in_epoch} step(s) into epoch {state.epoch + 1}" if state.iter_in_epoch else "")
@@ -214,9 +205,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 return True
             self.writer.rewind(0, 0)
         if cfg.weight:
-            key_map = next((getattr(h, "key_map", ()) for h in self.hooks if getattr(h, "restores_checkpoints", False)),
-                           ())
-            load_weights(self.model_without_ddp, cfg.weight, key_map, self.logger)
+            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger)
             return True
         return False
 
@@ -239,6 +228,20 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                                after_commit=files)
         self._model_files = []
         self._last_saved_step = self.global_step
+
+    _snapshot_every: int | None = None
+
+    def align_data_snapshots(self, every_n_steps: int | None) -> None:
+        """Plan checkpoints every ``every_n_steps`` optimizer steps (CheckpointSaver
+        calls it in ``before_train``): the loader of an iterable data set snapshots
+        its state at that cadence, so such a checkpoint holds an exact data
+        position. Several callers: the shortest interval wins. Map-style data sets
+        resume from a sample count and need no snapshots."""
+        if not every_n_steps or data_lib.train_sampler(self.train_loader) is not None:
+            return  # the position is a sample count (LoaderParticipant), exact at any step
+        if self._snapshot_every is None or every_n_steps < self._snapshot_every:
+            self._snapshot_every = every_n_steps
+            self.train_loader.snapshot_every_n_steps = every_n_steps * self.grad_accum_steps
 
     def add_model_file(self, name: str, model: torch.nn.Module) -> None:
         """From ``before_save_checkpoint``: also write ``model/<name>`` for ``model``
@@ -326,14 +329,16 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 f"{self.epoch + 1}; lower train.iters_per_epoch or fix the data set's length"
             ) from None
         t = tracer.complete("data_fetch", t)
-        batch = self._to_device(batch)
+        batch = self.to_device(batch)
         tracer.complete("batch_to_device", t)
         self._data_time += time.perf_counter() - start
         return batch
 
     _data_time = 0.0
 
-    def _to_device(self, batch):
+    def to_device(self, batch):
+        """``batch`` (a tensor or a dict of them; other values pass through) on the
+        training device, copied asynchronously from pinned memory; a no-op on CPU."""
         if self.device.type == "cpu":
             return batch
         if isinstance(batch, dict):

@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from pimm.engines.hooks.base import EvalRun
 from pimm.engines.registries import TESTERS
 from pimm.engines.state import load_weights
 from pimm.utils import comm
@@ -31,34 +32,32 @@ class Evaluation:
         return self.model_without_ddp
 
     def validate(self, evaluators=None, model: torch.nn.Module | None = None, prefix: str = "val",
-                 kind: str = "scheduled") -> dict:
+                 kind: str = "scheduled", weights: str = "trained") -> dict:
         """Evaluate ``model`` (default :attr:`eval_model`) on the validation split with
         ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
-        dispatch ``before_val`` / ``after_val(metrics)``. ``kind``: scheduled,
-        final, on_demand (metrics only: no best model, no side effects)."""
-        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind):
-            return self._validate(evaluators, model, prefix, kind)
-
-    def _validate(self, evaluators, model, prefix: str, kind: str) -> dict:
-        evaluators = self.evaluators if evaluators is None else evaluators
-        outer = getattr(self, "validation_kind", None), getattr(self, "validation_prefix", None)
-        try:
-            return self._validate_as(evaluators, model, prefix, kind)
-        finally:  # a validation started from a hook's after_val (EMA weights) leaves the outer one's context
-            self.validation_kind, self.validation_prefix = outer
-
-    def _validate_as(self, evaluators, model, prefix: str, kind: str) -> dict:
-        self.validation_kind, self.validation_prefix = kind, prefix
-        self.call_hooks("before_val")
+        dispatch ``before_val(run)`` / ``after_val(metrics, run)`` with the
+        :class:`~pimm.engines.hooks.base.EvalRun` describing it. ``kind``:
+        scheduled, final, on_demand (metrics only: no best model, no decision,
+        no evaluator schedule moves); ``weights``: ``"trained"``, or the label of
+        other weights a hook hands in (``"ema"``)."""
+        evaluators = tuple(self.evaluators if evaluators is None else evaluators)
         model = self.eval_model if model is None else model
+        run = EvalRun(kind=kind, prefix=prefix, step=self.global_step, model=model, evaluators=evaluators,
+                      weights=weights)
+        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind):
+            return self._validate(run)
+
+    def _validate(self, run: EvalRun) -> dict:
+        self.call_hooks("before_val", run)
+        prefix, model = run.prefix, run.model
         start = time.perf_counter()
         metrics, reports = {}, []
         shown = {}
-        for evaluator in evaluators:
+        for evaluator in run.evaluators:
             with self.full_parameters(model):  # ranks may run unequal numbers of batches
                 raw = evaluator.evaluate(self.val_loader, model,
                                          images=evaluator.log_images if self.writer.logs_images else 0)
-            evaluator.last_step = self.global_step
+            evaluator.mark_evaluated(run)
             shown.update({f"{prefix}_events/{type(evaluator).__name__}/{i}": image
                           for i, image in enumerate(evaluator.images)})
             metrics.update({f"{prefix}/{k}": v for k, v in raw.items()
@@ -73,11 +72,12 @@ class Evaluation:
             if table:
                 self.logger.info(table)
         best = self.metrics.best
-        if kind != "on_demand" and best.name in metrics and self.metrics.update_best(best.name, metrics[best.name],
-                                                                                     self.global_step):
+        counts = run.kind != "on_demand" and run.of_trained_weights
+        if counts and best.name in metrics and self.metrics.update_best(best.name, metrics[best.name],
+                                                                        self.global_step):
             self.save_model_file("model_best.pth", metric=best.value, metric_name=best.name)
             self.logger.info(f"New best {best.name}={best.value:.4f}: saved model/model_best.pth")
-        self.call_hooks("after_val", metrics)
+        self.call_hooks("after_val", metrics, run)
         return metrics
 
     # -- test -----------------------------------------------------------------
