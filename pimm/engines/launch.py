@@ -35,7 +35,7 @@ from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.logger import setup_logger
 from pimm.utils.run_lock import RunLock
 
-__all__ = ["main", "load_config", "build_trainer"]
+__all__ = ["main", "load_config", "prepare_config", "build_trainer", "build_tester"]
 
 EXIT_INTERRUPTED = 130
 
@@ -59,18 +59,14 @@ def _parser(mode: str) -> _Parser:
 
 def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train",
                 check_save_path: bool = True):
-    """The validated config and its built hooks (see the module docstring for the
-    order). ``check_save_path``: refuse a fresh run over an earlier one's results
-    (the launcher does it itself once it holds the run lock)."""
+    """The validated config of ``config_file`` with ``options`` applied, and its
+    built hooks: :func:`prepare_config` after reading the file.
+    ``check_save_path``: refuse a fresh run over an earlier one's results (the
+    launcher does it itself once it holds the run lock)."""
     cfg = Config.fromfile(config_file)
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
-    check_registry_dicts(cfg)
-    hooks = build_hooks(cfg.hooks)
-    for hook in hooks:
-        hook.modify_config(cfg)
-    validate_runtime(cfg, world_size)
-    check_required(cfg, mode)
+    hooks = prepare_config(cfg, world_size, mode)
     if mode == "train" and check_save_path:
         guard_fresh_run(cfg)
     elif mode == "test" and not cfg.weight:
@@ -78,12 +74,43 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     return cfg, hooks
 
 
+def prepare_config(cfg, world_size: int, mode: str = "train") -> list:
+    """Complete and check a config in place, in the one start-up order of the
+    command line and of a trainer built from Python (``DefaultTrainer(cfg)``):
+    the runtime defaults for keys it leaves out, the registry dicts, the hooks
+    built and each one's ``modify_config``, then validation of every runtime
+    key and of what ``mode`` ("train" or "test") cannot do without. Returns the
+    built hooks. Bad input is a ConfigError naming the key."""
+    if mode not in ("train", "test"):
+        raise ConfigError(f"mode must be 'train' or 'test', got {mode!r}")
+    apply_runtime_defaults(cfg)
+    check_registry_dicts(cfg)
+    hooks = build_hooks(cfg.hooks)
+    for hook in hooks:
+        hook.modify_config(cfg)
+    validate_runtime(cfg, world_size)
+    check_required(cfg, mode)
+    return hooks
+
+
 def build_trainer(cfg, mode: str = "train", hooks=None, tracer=None):
-    train_cfg = dict(cfg.train)
-    extra = {"mode": "test"} if mode == "test" else {}
-    if tracer is not None:
-        extra["tracer"] = tracer
-    return TRAINERS.build(dict(train_cfg, cfg=cfg, hooks=hooks, **extra))
+    """The trainer ``cfg.train`` names, built with its options (``mode="test"``:
+    the :class:`~pimm.engines.testers.Tester` instead, see :func:`build_tester`).
+    ``hooks``: those :func:`load_config` built (None: the trainer prepares the
+    config itself)."""
+    if mode == "test":
+        return build_tester(cfg, hooks)
+    extra = {"tracer": tracer} if tracer is not None else {}
+    return TRAINERS.build(dict(cfg.train, cfg=cfg, hooks=hooks, **extra))
+
+
+def build_tester(cfg, hooks=None):
+    """The :class:`~pimm.engines.testers.Tester` for ``cfg`` (``tools/test.py``,
+    ``test_only=True``), collating as the trainer ``cfg.train`` names."""
+    from pimm.engines.testers import Tester
+
+    options = {k: v for k, v in dict(cfg.train).items() if k in ("collate_fn", "val_collate_fn")}
+    return Tester(cfg, hooks=hooks, **options)
 
 
 def _resume_after_elastic_restart(cfg) -> None:
@@ -208,6 +235,11 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
 
 
 def main(argv: list[str] | None = None, mode: str = "train") -> int:
+    """The command line of ``tools/train.py`` (``mode="train"``) and
+    ``tools/test.py`` (``mode="test"``): parse ``argv`` (default ``sys.argv[1:]``),
+    start ``--num-gpus`` local processes or run in this one, and return the exit
+    code (see the module docstring: 0, 2, 75, 1, 130). Never raises for bad
+    input: it prints one ``error:`` line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
     attempt_box: list = []

@@ -27,10 +27,19 @@ __all__ = ["ComponentBuilders"]
 
 
 class ComponentBuilders:
-    """The ``build_*`` methods of DefaultTrainer (a mixin: it reads ``self.cfg``,
+    """The ``build_*`` methods of DefaultTrainer and of the
+    :class:`~pimm.engines.testers.Tester` (a mixin: it reads ``self.cfg``,
     ``self.world_size``, ``self.rank``, ``self.device``, ``self.options``)."""
 
+    #: The collate function when the config names none (``train.collate_fn`` /
+    #: ``val_collate_fn``): a ``COLLATE_FNS`` name, or None for the data set's
+    #: ``collate_fn`` attribute, else torch's default collate. A class attribute,
+    #: so the Tester of a trainer class collates as that trainer does.
+    default_collate_fn: str | None = None
+
     def build_model(self) -> torch.nn.Module:
+        """The model from ``cfg.model`` (SyncBatchNorm and gradient checkpointing as
+        configured), on the CPU; the caller moves it to the device."""
         model = MODELS.build(self.cfg.model)
         if self.cfg.sync_bn and self.world_size > 1:
             if self.device.type == "cuda":
@@ -54,13 +63,27 @@ class ComponentBuilders:
         return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
             self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))
 
+    def to_device(self, batch):
+        """``batch`` (a tensor or a dict of them; other values pass through) on the
+        training device, copied asynchronously from pinned memory; a no-op on CPU."""
+        if self.device.type == "cpu":
+            return batch
+        if isinstance(batch, dict):
+            return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()}
+        return batch.to(self.device, non_blocking=True)
+
     @property
     def num_workers_per_rank(self) -> int:
+        """Data-loading workers of this process (``num_worker`` is global)."""
         return self.cfg.num_worker // self.world_size
 
     def _resolve_collate(self, spec, dataset):
+        spec = self.default_collate_fn if spec is None else spec
         if spec is None:
             return getattr(dataset, "collate_fn", None) or default_collate
+        if spec == "default_collate":
+            return default_collate
         if isinstance(spec, str):
             return COLLATE_FNS.get(spec)
         if isinstance(spec, dict):
@@ -77,6 +100,7 @@ class ComponentBuilders:
         return DATASETS.build(data_cfg[split])
 
     def build_train_loader(self):
+        """The resumable training loader over ``data.train`` (see :mod:`pimm.engines.data`)."""
         return self._make_train_loader(self._build_dataset("train"))
 
     def _make_train_loader(self, dataset, sampler=None):
@@ -122,19 +146,23 @@ class ComponentBuilders:
                               "to score")
 
     def build_val_loader(self):
+        """The loader over ``data.val`` (built on first use)."""
         return self._build_eval_loader("val")
 
     def build_test_loader(self):
+        """The loader over ``data.test`` (built on first use)."""
         return self._build_eval_loader("test")
 
     @property
     def val_loader(self):
+        """The validation loader, built on first use."""
         if self._val_loader is None:
             self._val_loader = self.build_val_loader()
         return self._val_loader
 
     @property
     def test_loader(self):
+        """The test loader, built on first use."""
         if self._test_loader is None:
             self._test_loader = self.build_test_loader()
         return self._test_loader

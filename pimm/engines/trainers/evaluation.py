@@ -18,14 +18,62 @@ from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
 
-__all__ = ["Evaluation"]
+__all__ = ["Evaluation", "TestScoring"]
 
 
-class Evaluation:
+class TestScoring:
+    """Scoring weights on the test split, shared by DefaultTrainer (``FinalEvaluator``
+    tests the best weights after training) and :class:`~pimm.engines.testers.Tester`
+    (``tools/test.py``). A mixin over ``cfg``, ``evaluators``, ``test_loader``,
+    ``model_without_ddp``, ``full_parameters``, ``save_path``, ``logger``."""
+
+    def test_evaluators(self) -> list:
+        """What scores the test split: the config's tester (``test = dict(type=...)``
+        from TESTERS) when it names one, else the evaluator hooks."""
+        if self.cfg.get("test") is not None:
+            tester = TESTERS.build(self.cfg.test)
+            evaluator = tester.build_evaluator(self.cfg)
+            evaluator.trainer = weakref.proxy(self)
+            if tester.verbose:
+                self.logger.info(f"Tester {type(tester).__name__} for save_path {self.save_path}; config:\n"
+                                 f"{self.cfg.pretty_text}")
+            return [evaluator]
+        if not self.evaluators:
+            raise ConfigError("testing needs an evaluator: add one to hooks (e.g. dict(type='SemSegEvaluator')) or "
+                              "test = dict(type='SemSegTester')")
+        return self.evaluators
+
+    def test(self, weight=None) -> dict:
+        """Score ``weight`` (a model file; None: the weights the model holds now) on
+        the test split; the weights must fit the model exactly. Writes
+        ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
+        evaluators = self.test_evaluators()
+        if weight is not None:
+            load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
+        results = {}
+        for evaluator in evaluators:
+            with self.full_parameters():
+                metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
+            results[type(evaluator).__name__] = metrics
+            summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+            self.logger.info(f"Test {type(evaluator).__name__}: {summary}")
+            table = evaluator.report(metrics)
+            if table:
+                self.logger.info(table)
+        if comm.is_main_process():
+            path = self.save_path / "test_metrics.json"
+            set_aside(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            label = str(weight) if weight is not None else f"the weights at step {self.global_step}"
+            path.write_text(json.dumps({"weight": label, "metrics": results}, indent=1))
+            self.logger.info(f"Wrote {path}")
+        return results
+
+
+class Evaluation(TestScoring):
     """Validation and test methods of DefaultTrainer (a mixin over its state:
     ``evaluators``, ``metrics``, ``writer``, ``val_loader``, ``test_loader``, ...)."""
 
-    # -- evaluation -------------------------------------------------------
     @property
     def eval_model(self) -> torch.nn.Module:
         """The model evaluations run on (a hook may hand another, e.g. EMA weights)."""
@@ -80,46 +128,3 @@ class Evaluation:
         self.call_hooks("after_val", metrics, run)
         return metrics
 
-    # -- test -----------------------------------------------------------------
-    def test_evaluators(self) -> list:
-        """What scores the test split: the config's tester (``test = dict(type=...)``
-        from TESTERS) when it names one, else the evaluator hooks."""
-        if self.cfg.get("test") is not None:
-            tester = TESTERS.build(self.cfg.test)
-            evaluator = tester.build_evaluator(self.cfg)
-            evaluator.trainer = weakref.proxy(self)
-            if tester.verbose:
-                self.logger.info(f"Tester {type(tester).__name__} for save_path {self.save_path}; config:\n"
-                                 f"{self.cfg.pretty_text}")
-            return [evaluator]
-        if not self.evaluators:
-            raise ConfigError("testing needs an evaluator: add one to hooks (e.g. dict(type='SemSegEvaluator')) or "
-                              "test = dict(type='SemSegTester')")
-        return self.evaluators
-
-    def test(self, weight=None) -> dict:
-        """Score ``weight`` (default ``cfg.weight``; None here means the current
-        weights) on the test split; the weights must fit the model exactly.
-        Writes ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
-        weight = self.cfg.weight if weight is None and self.mode == "test" else weight
-        evaluators = self.test_evaluators()
-        if weight is not None:
-            load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
-        results = {}
-        for evaluator in evaluators:
-            with self.full_parameters():
-                metrics = evaluator.evaluate(self.test_loader, self.model_without_ddp)
-            results[type(evaluator).__name__] = metrics
-            summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-            self.logger.info(f"Test {type(evaluator).__name__}: {summary}")
-            table = evaluator.report(metrics)
-            if table:
-                self.logger.info(table)
-        if comm.is_main_process():
-            path = self.save_path / "test_metrics.json"
-            set_aside(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            label = str(weight) if weight is not None else f"the weights at step {self.global_step}"
-            path.write_text(json.dumps({"weight": label, "metrics": results}, indent=1))
-            self.logger.info(f"Wrote {path}")
-        return results
