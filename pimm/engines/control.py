@@ -69,6 +69,7 @@ class StopControl:
 
     # -- requests -------------------------------------------------------
     def request(self, reason: str, agreed: bool = False) -> None:
+        """Record a stop request (the first reason wins); ``agreed``: every rank asks at the same step."""
         if self.reason is None:
             self.reason = reason
         self._agreed = self._agreed or agreed
@@ -81,6 +82,7 @@ class StopControl:
         self.pending = True
 
     def install(self) -> None:
+        """Install the pre-emption signal handlers (the previous ones are kept)."""
         for signum in self.signals:
             try:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
@@ -88,6 +90,7 @@ class StopControl:
                 pass
 
     def uninstall(self) -> None:
+        """Put the previous signal handlers back."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
@@ -114,6 +117,7 @@ class StopControl:
         return True
 
     def describe(self) -> str:
+        """Why the run stops, in words (for logs and the attempt record)."""
         if self.preempted:
             return f"pre-empted by {self._signal_name or 'a signal on another rank'}"
         return self.reason or "stop requested"

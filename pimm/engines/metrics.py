@@ -83,6 +83,7 @@ class BestMetric:
     step: int | None = None
 
     def is_better(self, value: float) -> bool:
+        """Whether ``value`` beats the best so far in this metric's direction (NaN never does)."""
         if value is None or math.isnan(value):
             return False
         if self.value is None:
@@ -161,6 +162,7 @@ class MetricChannel:
         return sum(values) / len(values) if values else default
 
     def names(self) -> list[str]:
+        """The names published so far, sorted."""
         return sorted(self._latest)
 
     # -- directions and the best value ------------------------------------
@@ -174,6 +176,7 @@ class MetricChannel:
         self._directions[name] = mode
 
     def direction(self, name: str) -> str | None:
+        """``"min"`` or ``"max"`` as declared for ``name``, or None."""
         return self._directions.get(name)
 
     def track_best(self, name: str) -> None:
@@ -191,9 +194,11 @@ class MetricChannel:
         return True
 
     def state_dict(self) -> dict:
+        """The best value (name, mode, value, step)."""
         return {"best": dict(name=self.best.name, mode=self.best.mode, value=self.best.value, step=self.best.step)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take back the best value (when it names the same metric)."""
         best = state.get("best") or {}
         if best.get("name") is not None and best["name"] == self.best.name:
             self.best.value, self.best.step = best.get("value"), best.get("step")

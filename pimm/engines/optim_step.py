@@ -113,6 +113,7 @@ class OptimStep:
         return StepResult(grad_norm, stepped, lr)
 
     def zero_grad(self) -> None:
+        """Drop the gradients (set to None)."""
         self.optimizer.zero_grad(set_to_none=True)
 
 

@@ -227,6 +227,7 @@ class TrainerBase:
         """End of training: evaluate the final weights if due; on a stop, commit a final checkpoint."""
 
     def save_checkpoint(self) -> None:
+        """Commit a resumable checkpoint of this step (a collective: every rank calls it)."""
         raise NotImplementedError
 
     def close(self) -> None:

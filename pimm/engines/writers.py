@@ -130,6 +130,7 @@ class MetricsWriter:
 
     # -- resume ---------------------------------------------------------
     def state_dict(self) -> dict:
+        """The metrics.jsonl offset and last step (synced to disk), the W&B run id."""
         if self._jsonl is not None:
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
@@ -141,6 +142,7 @@ class MetricsWriter:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Rewind to the checkpoint's offset (metrics logged after it are dropped); reattach the W&B run."""
         self.rewind(state["jsonl_bytes"], state["last_step"])
         if state.get("wandb_run_id"):
             self.wandb_run_id = state["wandb_run_id"]
@@ -169,6 +171,7 @@ class MetricsWriter:
         )
 
     def close(self) -> None:
+        """Flush and close every sink."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

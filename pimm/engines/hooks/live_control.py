@@ -169,10 +169,12 @@ class LiveControl(HookBase):
 
     @property
     def control_path(self) -> Path:
+        """The control file the user edits."""
         return Path(self.trainer.save_path) / self.file
 
     @property
     def audit_path(self) -> Path:
+        """The audit log of applied changes."""
         return Path(self.trainer.save_path) / AUDIT_FILE
 
     # -- phases ---------------------------------------------------------

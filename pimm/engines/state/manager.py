@@ -154,6 +154,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 
 def checkpoint_name(global_step: int, epoch: int) -> str:
+    """The folder name of the checkpoint of ``global_step`` in ``epoch``."""
     return f"step{global_step:09d}-epoch{epoch:04d}"
 
 
@@ -236,6 +237,7 @@ class CheckpointManager:
         scopes[scope][name] = participant if scope == "sharded" else as_participant(participant)
 
     def participants(self) -> dict[str, Any]:
+        """Every registered participant by name (sharded, shared, per rank)."""
         return {**self._sharded, **self._shared, **self._per_rank}
 
     @staticmethod
@@ -259,6 +261,7 @@ class CheckpointManager:
         return [path for path in self.step_folders() if (path / MANIFEST).is_file()]
 
     def has_checkpoints(self) -> bool:
+        """Whether any step folder exists (committed or not)."""
         return bool(self.step_folders())
 
     # -- saving ---------------------------------------------------------

@@ -196,9 +196,11 @@ class ComponentBuilders:
         return batches // self.grad_accum_steps
 
     def build_optimizer(self):
+        """The optimizer from ``cfg.optimizer`` over the model's parameter groups (``param_dicts``)."""
         return build_optimizer(self.cfg.optimizer, self.model_without_ddp, self.cfg.get("param_dicts"))
 
     def build_scheduler(self):
+        """The lr scheduler from ``cfg.scheduler`` (None: a constant lr), stepped once per optimizer step."""
         spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
         return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch)
 
@@ -208,6 +210,7 @@ class ComponentBuilders:
         return ("lr", *({"betas", "momentum"} & set(owned() if owned else ())))
 
     def build_scaler(self):
+        """The AMP GradScaler (enabled for ``amp_dtype='float16'`` only)."""
         enabled = self.cfg.enable_amp and self.cfg.amp_dtype == "float16"
         if enabled and self.device.type != "cuda":
             raise ConfigError("amp_dtype='float16' needs CUDA; on CPU use amp_dtype='bfloat16' or enable_amp=False")
@@ -221,6 +224,7 @@ class ComponentBuilders:
         return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
 
     def build_writer(self) -> MetricsWriter:
+        """The metric sinks: metrics.jsonl, TensorBoard, W&B as configured."""
         cfg = self.cfg
         return MetricsWriter(
             self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,

@@ -163,9 +163,11 @@ class _RolloutCache:
         return summary
 
     def state_dict(self) -> dict:
+        """The rollout and its updates' metrics so far, on the CPU."""
         return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu")}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take them back, the rollout on this rank's device."""
         self.rollout = _move(state["rollout"], self.device)
         self.history = list(state["history"])
         self.batch = None
@@ -176,6 +178,7 @@ class _RolloutLoaderParticipant(LoaderParticipant):
     first update, so after ``i`` updates ``ceil(i / updates)`` batches are gone."""
 
     def state_dict(self) -> dict:
+        """The position in samples of the batches consumed (whole rollouts)."""
         state = super().state_dict()
         if state["kind"] == "position":
             trainer = self.trainer
@@ -184,6 +187,7 @@ class _RolloutLoaderParticipant(LoaderParticipant):
         return state
 
     def restore(self, state, context) -> None:
+        """As LoaderParticipant; a changed process layout is a CheckpointError."""
         if context.layout_changed:
             raise CheckpointError(
                 f"checkpoint {context.path.name}: a GRPO run resumes with the process layout that saved it "
