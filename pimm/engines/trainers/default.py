@@ -78,6 +78,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.cfg = cfg
         self.options = dict(collate_fn=collate_fn, val_collate_fn=val_collate_fn, iters_per_epoch=iters_per_epoch,
                             find_unused_parameters=find_unused_parameters)
+        self.evaluators = [h for h in hooks if isinstance(h, EvaluatorBase)]  # their split is checked with the loaders
         self.configure_process()
         self.build_components(oom_backoff, stop_check_every)
         self.register_state()
@@ -123,6 +124,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         with tracer.long_span("build_loaders"):
             self.train_loader = self.build_train_loader()
             self.iters_per_epoch = self._compute_iters_per_epoch()
+            if self.evaluators and cfg.evaluate:
+                self._check_eval_split("val")  # found now, before anything is written, not after the first epoch
         self.oom_backoff = OOMBackoff.from_option(oom_backoff, self.train_loader, self.world_size, self.logger)
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
         with tracer.long_span("build_optimizer"):
@@ -170,15 +173,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
 
     def wire_hooks(self, hooks: list[HookBase]) -> None:
         """Register the hooks (with ``EmptyCache`` when the config asks for it): the
-        evaluators declare their metrics' directions, the validation split is
-        checked now rather than after the first epoch, and the dispatch tables
-        are built."""
+        evaluators declare their metrics' directions and the dispatch tables are
+        built."""
         cfg = self.cfg
         if cfg.empty_cache or cfg.empty_cache_per_epoch:
             hooks = [*hooks, EmptyCache(per_step=cfg.empty_cache, per_epoch=cfg.empty_cache_per_epoch)]
-        self.evaluators = [h for h in hooks if isinstance(h, EvaluatorBase)]
-        if self.evaluators and cfg.evaluate:
-            self._check_eval_split("val")
         for evaluator in self.evaluators:
             evaluator.declare_metrics(self.metrics)
         with self.tracer.long_span("build_hooks"):
