@@ -81,10 +81,9 @@ class EarlyStopping(HookBase):
             why = "no evaluator hook is configured" if not trainer.evaluators else "evaluate=False"
             raise ConfigError(f"EarlyStopping(monitor={self.monitor!r}) has nothing to watch: {why}; add an "
                               "evaluator (e.g. dict(type='ClsEvaluator')) or drop the monitor")
-        # An evaluation publishes <prefix>/loss and declares its direction before this
-        # hook's before_train (evaluators when built, EMAHook at ABOVE_NORMAL).
-        prefixes = {e.prefix for e in trainer.evaluators} | {"val_ema"}
-        prefixes = {p for p in prefixes if trainer.metrics.direction(f"{p}/loss") is not None}
+        # Every evaluation declares <prefix>/loss before this hook's before_train
+        # (evaluators when they are built, EMAHook at ABOVE_NORMAL).
+        prefixes = {name.split("/", 1)[0] for name in trainer.metrics.declared() if name.endswith("/loss")}
         if self.prefix not in prefixes:
             raise ConfigError(f"EarlyStopping: no evaluation publishes {self.prefix}/* metrics (monitor="
                               f"{self.monitor!r}); evaluations publish under: {', '.join(sorted(prefixes))}")
