@@ -49,7 +49,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     """Options (the keys of ``train = dict(type="DefaultTrainer", ...)``):
 
     collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
-        default: the data set's ``collate_fn`` attribute, else torch's default collate.
+        default: the class's ``default_collate_fn``, else the data set's ``collate_fn``
+        attribute, else torch's default collate.
     iters_per_epoch: epoch length for iterable data sets (map-style: derived).
     find_unused_parameters: passed to DDP.
     stop_check_every: steps between the cross-rank checks for pre-emption signals
@@ -58,9 +59,12 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         of GPU memory with its batches split into halves, quarters, ... (single
         process; see :mod:`pimm.engines.oom_backoff`).
 
-    ``hooks``: the built hooks (the CLI builds them before validating the
-    config, so their ``modify_config`` runs first); None builds them from
-    ``cfg.hooks`` here.
+    ``hooks``: the built hooks (the CLI builds them while preparing the
+    config, so their ``modify_config`` runs first); None prepares the config
+    here with :func:`pimm.engines.launch.prepare_config`, the CLI's order.
+    ``__init__`` is its phases: :meth:`configure_process`,
+    :meth:`build_components`, :meth:`register_state`, :meth:`wire_hooks`.
+    Testing is :class:`pimm.engines.testers.Tester`'s job, not a mode.
     """
 
     def __init__(self, cfg, hooks: list[HookBase] | None = None, collate_fn=None, val_collate_fn=None,
