@@ -214,9 +214,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 return True
             self.writer.rewind(0, 0)
         if cfg.weight:
-            key_map = next((getattr(h, "key_map", ()) for h in self.hooks if getattr(h, "restores_checkpoints", False)),
-                           ())
-            load_weights(self.model_without_ddp, cfg.weight, key_map, self.logger)
+            loader = next((h for h in self.hooks if getattr(h, "restores_checkpoints", False)), None)
+            strict = bool(getattr(loader, "strict", False))
+            load_weights(self.model_without_ddp, cfg.weight, getattr(loader, "key_map", ()), self.logger,
+                         strict=strict, allow_unexpected=not strict)
             return True
         return False
 
