@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import pimm.models  # noqa: F401  (registers the models)
 from pimm.engines.registries import MODELS
 from pimm.models.ptv3 import attention as attention_module
 from pimm.models.ptv3.attention import SerializedAttention, patch_layout
