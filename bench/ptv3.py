@@ -56,6 +56,15 @@ from pimm.utils.config import Config  # noqa: E402
 CONFIG = ROOT / "configs" / "lartpc" / "semseg-ptv3.py"
 
 
+def clock() -> float:
+    """CPU time of this process on a CPU (steadier than wall time on a shared
+    machine; with one thread it is the time the work took), wall time on a GPU."""
+    return time.process_time() if DEVICE.type == "cpu" else time.perf_counter()
+
+
+DEVICE = torch.device("cpu")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -87,10 +96,10 @@ class Recorder:
         def serialization(original):
             def wrapped(point, *args, **kwargs):
                 sync(rec.device)
-                t = time.perf_counter()
+                t = clock()
                 out = original(point, *args, **kwargs)
                 sync(rec.device)
-                rec.serialization += time.perf_counter() - t
+                rec.serialization += clock() - t
                 return out
             return wrapped
 
@@ -131,6 +140,7 @@ class Recorder:
                 return original(q, k, v, **kw)
             return wrapped
 
+        self.original_conv = Point.sparse_conv  # the replay calls the unwrapped one
         self.patch(Point, "serialization", serialization)
         self.patch(Point, "sparse_conv", conv)
         self.patch(attention_module.SerializedAttention, "forward", attention)
@@ -159,21 +169,20 @@ class Recorder:
                     args = (Point(point, feat=x),)
             serialized = self.serialization
             sync(self.device)
-            t = time.perf_counter()
+            t = clock()
             if kind == "cpe":
-                out = Recorder._conv(point, *args)
+                out = self.original_conv(point, *args)
             else:
                 out = module(*args)
             out = out["feat"] if isinstance(out, dict) else out
             out.sum().backward()
             sync(self.device)
             # pooling re-serializes the coarse level: that part is booked to serialization
-            total += time.perf_counter() - t - (self.serialization - serialized)
+            total += clock() - t - (self.serialization - serialized)
             self.serialization = serialized
             del inputs
         return total
 
-    _conv = None
 
 
 def main() -> None:
@@ -186,7 +195,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    global DEVICE
+    device = DEVICE = torch.device(args.device)
 
     cfg = Config.fromfile(args.config)
     dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
@@ -211,33 +221,30 @@ def main() -> None:
     for _ in range(args.rounds):
         for batch in batches:
             sync(device)
-            t = time.perf_counter()
+            t = clock()
             step(batch)
             sync(device)
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
     per_step = statistics.median(times)
     print(f"forward+backward: {per_step * 1e3:.0f} ms/step (median of {len(times)}), "
           f"{statistics.mean(points) / per_step:,.0f} points/s")
 
     # Breakdown on the first batch.
     rec = Recorder(device)
-    Recorder._conv = staticmethod(Point.sparse_conv)
     rec.install()
     rec.recording = True
     out = model(dict(batches[0]))
     rec.recording = False
     out["loss"].backward()
     model.zero_grad(set_to_none=True)
-    rows = {"serialization": rec.serialization}
-    for kind in ("attention", "cpe", "pooling"):
-        rows[kind] = rec.replay(kind) / 1.0
-    rows["serialization"] = rec.serialization
+    rows = {kind: rec.replay(kind) for kind in ("attention", "cpe", "pooling")}
+    rows = {"serialization": rec.serialization, **rows}
     model.zero_grad(set_to_none=True)
-    total = statistics.median(times[: args.rounds * args.batches: args.batches]) if args.batches > 1 else per_step
+    total = statistics.median(times[0::args.batches])  # the first batch's steps
     print("breakdown of one step (first batch), forward+backward:")
     for kind, seconds in rows.items():
-        print(f"  {kind:<14} {seconds * 1e3:8.1f} ms  {100 * seconds / total:5.1f}%  "
-              f"({len(rec.calls[kind]) if kind != 'serialization' else 'all levels'} calls)")
+        calls = "all levels" if kind == "serialization" else f"{len(rec.calls[kind])} calls"
+        print(f"  {kind:<14} {seconds * 1e3:8.1f} ms  {100 * seconds / total:5.1f}%  ({calls})")
     other = total - sum(rows.values())
     print(f"  {'other':<14} {other * 1e3:8.1f} ms  {100 * other / total:5.1f}%  (MLP, norms, head, loss)")
     q = rec.max_attention_operand
