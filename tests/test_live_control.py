@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pimm.cli import register_all  # noqa: E402
-from pimm.engines.hooks.live_control import AUDIT_FILE, parse_control, rebase_lr  # noqa: E402
+from pimm.engines import scale_lr  # noqa: E402
+from pimm.engines.hooks.live_control import AUDIT_FILE, parse_control  # noqa: E402
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.optim import build_optimizer  # noqa: E402
 from pimm.engines.scheduler import build_scheduler  # noqa: E402
@@ -135,15 +136,19 @@ def test_malformed_files_warn_once_per_content_and_change_nothing(tmp_path, capl
     expected = [
         "control.json ignored: it is not valid JSON",
         "control.json ignored: unknown key(s) ['learning_rate']; it takes revision, note, lr",
-        "control.json ignored: 'lr' must be a positive number, got 'fast'",
-        "control.json ignored: 'revision' must be an integer, got 1.0",
-        "control.json ignored: revision 2 is not above the last applied revision 2; raise 'revision'",
-        "control.json ignored: revision 1 is not above the last applied revision 2",
+        "control.json ignored: 'lr' must be a number from 1e-10 to 100, got 'fast'",
+        "control.json ignored: 'revision' must be an integer from 1 to 9007199254740991, got 1.0",
+        "control.json revision 2 ignored: it is not above the last applied revision 2; raise 'revision'",
+        "control.json revision 1 ignored: it is not above the last applied revision 2",
     ]
     assert len(warnings) == len(expected), warnings
     for got, want in zip(warnings, expected):
         assert got.startswith("LiveControl: " + want), (got, want)
-    assert [(e["step"], e["revision"]) for e in audit(trainer.save_path)] == [(7, 2)]
+    entries = audit(trainer.save_path)
+    assert [(e["step"], e["revision"]) for e in entries if "refused" not in e] == [(7, 2)]
+    # Each warning is also a "refused" audit line (at the step it was read), never an applied one.
+    assert [(e["step"], e["revision"]) for e in entries if "refused" in e] == [
+        (2, None), (4, None), (5, None), (6, None), (8, 2), (10, 1)]
     assert next(h for h in trainer.hooks if type(h).__name__ == "LiveControl").revision == 2
     writer = next(h for h in trainer.hooks if type(h).__name__ == "InformationWriter")
     assert writer.log_frequency == 3
@@ -185,10 +190,11 @@ def test_lr_and_eval_changes_need_what_they_change(tmp_path, caplog):
     trainer.train()
     assert any("revision 1 ignored: 'eval_every_n_steps' needs an evaluator hook" in r.getMessage()
                for r in caplog.records)
-    assert audit(trainer.save_path) == []
+    assert [e["refused"] for e in audit(trainer.save_path)] == [
+        "ignored: 'eval_every_n_steps' needs an evaluator hook, and this run has none"]
 
 
-# ----------------------------------------------------------------------------- the lr rebase
+# ----------------------------------------------------------------------------- the lr scale
 
 
 @pytest.mark.parametrize("spec", [
@@ -199,7 +205,7 @@ def test_lr_and_eval_changes_need_what_they_change(tmp_path, caplog):
     dict(type="PolyLR", power=0.9),
     dict(type="ConstantLR"),
 ], ids=lambda s: "-".join(f"{v}" for v in s.values()))
-def test_rebasing_scales_the_rest_of_the_schedule_for_every_group(spec):
+def test_scale_lr_scales_the_rest_of_the_schedule_for_every_group(spec):
     def build():
         model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
         optimizer = build_optimizer(dict(type="AdamW", lr=0.01), model, [dict(keyword="1.", lr_scale=0.5)])
@@ -211,7 +217,7 @@ def test_rebasing_scales_the_rest_of_the_schedule_for_every_group(spec):
         optimizer.step(), scheduler.step(), ref_optimizer.step(), ref_scheduler.step()
     new_lr = 0.003
     scale = new_lr / optimizer.param_groups[0]["lr"]
-    rebase_lr(optimizer, scheduler, scale)
+    scale_lr(optimizer, scheduler, scale)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(new_lr, rel=1e-12)
     for _ in range(14):
         got = [g["lr"] for g in optimizer.param_groups]
@@ -340,3 +346,138 @@ def test_sigkill_after_a_change_before_its_checkpoint_then_resume_is_bit_identic
     losses, ref_losses = dict(train_losses(edited)), dict(train_losses(ref))
     assert [losses[s] for s in range(1, 21)] == [ref_losses[s] for s in range(1, 21)]
     assert all(losses[s] != ref_losses[s] for s in range(22, 31))
+
+
+# ----------------------------------------------------------------------------- hostile files (issue 21)
+
+
+def lc(trainer):
+    return next(h for h in trainer.hooks if type(h).__name__ == "LiveControl")
+
+
+def applied(save_path: Path) -> list[tuple[int, int]]:
+    return [(e["step"], e["revision"]) for e in audit(save_path) if "refused" not in e]
+
+
+def refused(save_path: Path) -> list[str]:
+    return [e["refused"] for e in audit(save_path) if "refused" in e]
+
+
+@pytest.mark.parametrize("content, reason", [
+    ('{"revision": 1, "lr": 1e308}', "'lr' must be a number from 1e-10 to 100, got 1e+308"),
+    ('{"revision": 1, "lr": 1e400}', "'lr' must be a number from 1e-10 to 100, got inf"),
+    ('{"revision": 1, "lr": NaN}', "'lr' must be a number from 1e-10 to 100, got nan"),
+    ('{"revision": 1' + "0" * 400 + ', "lr": 0.001}', "'revision' must be an integer from 1 to 9007199254740991"),
+    ('{"revision": 1, "eval_every_n_steps": ' + "9" * 30 + "}", "'eval_every_n_steps' must be an integer from 1"),
+    ('{"revision": 1, "note": "' + "x" * 2000 + '"}', "'note' must be a string of at most 1000 characters"),
+])
+def test_a_valid_looking_value_out_of_range_is_refused_and_the_run_goes_on(tmp_path, plain, caplog, content, reason):
+    """Issue 21, defect 1: these killed the run (NaN lr, OverflowError) and were replayed on resume."""
+    caplog.set_level(logging.WARNING, logger="pimm")
+    trainer = make_trainer(tmp_path, control=content)
+    trainer.train()
+    assert trainer.outcome == "completed"
+    assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert applied(trainer.save_path) == [] and len(refused(trainer.save_path)) == 1
+    assert series(trainer.save_path, "train/lr") == series(plain, "train/lr")  # nothing changed
+    assert all(torch.isfinite(v).all() for v in _weights(trainer.save_path).values())
+
+
+def test_a_vanishing_lr_is_refused_so_later_changes_still_apply(tmp_path, caplog):
+    """``"lr": 5e-324`` set the lr to 0, and every later lr change was then refused."""
+    caplog.set_level(logging.WARNING, logger="pimm")
+    trainer = make_trainer(tmp_path, poll=1, extra_hooks=writes((3, {"revision": 2, "lr": 0.001})),
+                           control={"revision": 1, "lr": 5e-324})
+    trainer.train()
+    assert applied(trainer.save_path) == [(3, 2)]
+    assert refused(trainer.save_path) == ["ignored: 'lr' must be a number from 1e-10 to 100, got 5e-324"]
+    assert series(trainer.save_path, "train/lr")[4] == pytest.approx(0.001)
+
+
+def test_an_lr_that_would_leave_the_scale_range_is_refused(tmp_path):
+    """The lr is in range, but the schedule is at 1e-14 (MultiStepLR, gamma 1e-12): 100 would scale it
+    by 1e16, past the schedule's scale range."""
+    trainer = make_trainer(tmp_path, poll=2, control={"revision": 1, "lr": 100},
+                           options=["scheduler={'type': 'MultiStepLR', 'milestones': [1], 'gamma': 1e-12}"])
+    trainer.train()
+    assert applied(trainer.save_path) == []
+    assert refused(trainer.save_path) == ["ignored: 'lr' 100 would scale the configured schedule by 1e+16, "
+                                          "outside [1e-12, 1e+12]"]
+    assert trainer.scheduler.lr_scale == 1.0
+
+
+def test_a_fifo_or_an_oversized_file_is_refused_without_blocking(tmp_path, caplog):
+    """Issue 21, defect 5: a FIFO named control.json hung the run (and SIGTERM could not stop it)."""
+    import os
+    import signal
+
+    caplog.set_level(logging.WARNING, logger="pimm")
+    trainer = make_trainer(tmp_path / "fifo", poll=1)
+    trainer.save_path.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(trainer.save_path / "control.json")
+
+    def hung(signum, frame):
+        raise AssertionError("the run blocked on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        trainer.train()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert trainer.outcome == "completed"
+    assert refused(trainer.save_path) == ["ignored: it is a FIFO; LiveControl reads only a regular file"]  # once
+
+    big = make_trainer(tmp_path / "big", poll=1, control='{"revision": 1, "lr": 0.001, "note": "' + "x" * 900 + '"}'
+                       + " " * 70_000)
+    big.train()
+    assert refused(big.save_path) == ["ignored: it is larger than 65536 bytes"] and applied(big.save_path) == []
+
+
+def test_a_change_that_broke_a_run_is_ignored_on_resume(tmp_path, caplog):
+    """Issue 21: an older pimm applied ``"lr": 1e308`` (audited with its factor, inf) and every resume
+    replayed it. Now the recorded change is checked again, audited as refused and skipped, and the
+    resumed run ends like a run that never saw it."""
+    changes = writes((1, {"revision": 1, "lr": 0.004}))
+    ref = make_trainer(tmp_path / "ref", changes, epoch=3)
+    ref.train()
+    first = make_trainer(tmp_path / "run", changes + ", dict(type='StopAtStep', step=7)", epoch=3)
+    first.train()
+    save = first.save_path
+    shutil.rmtree(save / "checkpoints" / "step000000007-epoch0001")  # killed after step 6: resume from 4
+    [entry] = audit(save)
+    poisoned = {**entry, "step": 6, "revision": 2, "changes": {"lr": 1e308}, "previous": {"lr": 0.003},
+                "lr_scale": float("inf")}
+    with open(save / AUDIT_FILE, "a") as fh:
+        fh.write(json.dumps(poisoned) + "\n")
+    write_control(save, {"revision": 1, "lr": 0.004})  # the file was fixed meanwhile
+    caplog.set_level(logging.WARNING, logger="pimm")
+    resumed = make_trainer(tmp_path / "run", epoch=3, options=["resume=True"])
+    resumed.train()
+    assert resumed.outcome == "completed"
+    assert any("revision 2 recorded change ignored: 'lr' must be a number" in r.getMessage() for r in caplog.records)
+    last = audit(save)[-1]
+    assert last["refused"].startswith("recorded change ignored") and last["replayed"] is True
+    got, want = _weights(save), _weights(ref.save_path)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    # Revision 2 left the poisoned record and its refusal, nothing applied (a refused line is never replayed).
+    assert [("refused" in e) for e in audit(save) if e.get("revision") == 2] == [False, True]
+    assert not any(e.get("revision") == 2 for e in lc(resumed).history)
+
+
+def test_an_old_checkpoint_state_is_checked_before_it_is_re_applied(tmp_path, caplog):
+    """A LiveControl state written before the scheduler kept the lr scale: its lr factors are
+    re-applied through scale_lr, unless they fail today's checks (then ignored, audited)."""
+    caplog.set_level(logging.WARNING, logger="pimm")
+    trainer = make_trainer(tmp_path)
+    hook = lc(trainer)
+    hook.load_state_dict({"revision": 3, "lineage": "old", "history": [
+        {"step": 2, "revision": 1, "changes": {"lr": 0.005}, "lr_scale": 0.5},
+        {"step": 4, "revision": 2, "changes": {"lr": 1e308}, "lr_scale": float("inf")},
+        {"step": 6, "revision": 3, "changes": {"log_frequency": 0}, "lr_scale": None}]})
+    hook.after_load_checkpoint()
+    assert trainer.scheduler.lr_scale == 0.5
+    assert [h["revision"] for h in hook.history] == [1]
+    assert [e["revision"] for e in audit(trainer.save_path)] == [2, 3]
+    assert all("restored change ignored" in e["refused"] for e in audit(trainer.save_path))

@@ -36,6 +36,7 @@ empty_cache_per_epoch = False  # torch.cuda.empty_cache() after every epoch (CUD
 sync_bn = False  # BatchNorm -> SyncBatchNorm when distributed on CUDA
 find_unused_parameters = False  # passed to DDP (also a train option)
 parallel = {'strategy': 'ddp', 'shard_modules': None, 'reshard_after_forward': True, 'mixed_precision': None}  # strategy 'ddp' (replicas) or 'fsdp' (FSDP2 sharding; options in docs/distributed.md)
+compile = {'enabled': False, 'mode': None, 'dynamic': None, 'fullgraph': False, 'backend': 'inductor'}  # torch.compile the training model (enabled=True; mode/dynamic/fullgraph/backend as torch.compile's)
 prefetch_factor = None  # batches each data worker loads ahead (None: torch's default, 2)
 structured_logging = {'enabled': False, 'trace_hooks': False, 'batch_stats_every': 1, 'max_bytes': 33554432, 'max_files': 20, 'flush_every_s': 1.0}  # per-rank step traces under save_path/trace/ (`pimm trace summarize RUN`)
 checkpoint_format = None  # accepted for upstream configs: pimm always writes its verified checkpoints/ layout

@@ -23,7 +23,7 @@ from pimm.utils.errors import EXIT_PREEMPTED
 
 __all__ = ["spawn_local", "free_port"]
 
-_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+_FORWARDED = ("SIGTERM", "SIGHUP", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 def free_port() -> int:
@@ -44,10 +44,31 @@ def _aggregate(codes: list[int]) -> int:
     return failures[0] if failures else 1
 
 
-def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dict | None = None) -> int:
+def _report_killed(rank: int, code: int, log_path: str | None) -> None:
+    """A rank killed by a signal cannot say so itself: the launcher does, on
+    stderr and in the run's log."""
+    try:
+        name = f" ({signal.Signals(-code).name})"
+    except ValueError:
+        name = ""
+    hint = "; out of memory? (see dmesg)" if -code == getattr(signal, "SIGKILL", 9) else ""
+    message = f"rank {rank} was killed by signal {-code}{name}{hint}"
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    if log_path:
+        try:
+            with open(log_path, "a") as fh:
+                fh.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR] [launcher] {message}\n")
+        except OSError:
+            pass
+
+
+def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dict | None = None,
+                log_path: str | None = None) -> int:
     """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks with
     ``env`` added; return the aggregate exit code (0, 75 when all stopped for
-    pre-emption, else the failure)."""
+    pre-emption, else the failure). A rank killed by a signal (not by this
+    launcher) is reported on stderr and appended to ``log_path``."""
     port = free_port()
     children = []
     seen_errors: set[str] = set()
@@ -74,8 +95,14 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
             previous[signum] = signal.signal(signum, forward)
     try:
         failed_at = None
+        reported: set[int] = set()
+        killed_by_us = False
         while True:
             codes = [child.poll() for child in children]
+            for rank, code in enumerate(codes):
+                if code is not None and code < 0 and rank not in reported and not killed_by_us:
+                    reported.add(rank)
+                    _report_killed(rank, code, log_path)
             if all(c is not None for c in codes):
                 for pump in pumps:
                     pump.join(timeout=5)
@@ -85,10 +112,16 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
                 # A failed rank leaves the others waiting in a collective forever.
+                killed_by_us = True
                 for child in children:
                     if child.poll() is None:
                         child.kill()
             time.sleep(0.1)
+    except KeyboardInterrupt:  # not Ctrl-C (forwarded above): the run lock was lost, stop every writer now
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

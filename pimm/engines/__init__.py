@@ -12,9 +12,10 @@ from pimm.engines.hooks import *  # noqa: F401,F403  (registers the built-in hoo
 from pimm.engines.hooks import EvaluatorBase, HookBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.optim_step import OptimStep, StepResult
+from pimm.engines.scheduler import scale_lr
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.trainers import DefaultTrainer, GRPOTrainer, ImageClassTrainer, InsegTrainer, MultiDatasetTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",
            "TrainerBase", "DefaultTrainer", "GRPOTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase",
-           "EvaluatorBase", "MetricChannel", "OptimStep", "StepResult"]
+           "EvaluatorBase", "MetricChannel", "OptimStep", "StepResult", "scale_lr"]

@@ -12,6 +12,13 @@ reaches ranks at different moments; a request from one rank) is agreed through
 one tiny all-reduce every ``check_every`` steps; a single process needs no
 agreement and checks its flags every step for free.
 
+Which signals do what (docs/contract.md, "Signals"), whatever the hooks:
+SIGTERM and SIGHUP always pre-empt (checkpoint, exit 75), as does every
+signal in ``preempt_signals``; SIGUSR1 asks for an evaluation, which the
+OnDemandValidation hook serves when configured; without it the signal is
+logged and ignored (its default action would kill the process without a
+checkpoint). SIGINT raises KeyboardInterrupt: exit 130, no new checkpoint.
+
 When the trainer stops, it commits a final checkpoint, runs ``after_train``
 and then either returns (a requested stop: exit code 0) or raises
 :class:`~pimm.utils.errors.TrainingPreempted` (a signal: exit code 75, rerun
@@ -20,7 +27,9 @@ with ``resume=True``).
 
 from __future__ import annotations
 
+import logging
 import signal
+import threading
 from typing import Iterable
 
 import torch
@@ -28,7 +37,11 @@ import torch
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 
-__all__ = ["StopControl", "resolve_signals"]
+__all__ = ["StopControl", "resolve_signals", "STANDARD_PREEMPT", "ignore_unhandled_usr1"]
+
+#: Signals that always mean "checkpoint and exit 75" (a batch system's
+#: pre-emption, a closed terminal), added to ``preempt_signals``.
+STANDARD_PREEMPT = ("SIGTERM", "SIGHUP")
 
 # Flags combined into one all-reduce (MAX): a pre-emption outranks a request.
 _NONE, _REQUESTED, _PREEMPTED = 0, 1, 2
@@ -44,12 +57,37 @@ def resolve_signals(names: Iterable[str], key: str = "preempt_signals") -> list[
     return numbers
 
 
+def _log_ignored_usr1(signum, frame) -> None:
+    # Logged from a thread: a handler that writes while the interrupted main
+    # thread is inside a write to the same stream would fail (reentrant call).
+    message = (f"{signal.Signals(signum).name} received: no hook serves it (add dict(type='OnDemandValidation') to "
+               "hooks to evaluate on demand); ignored")
+    threading.Thread(target=logging.getLogger("pimm").warning, args=(message,), daemon=True).start()
+
+
+def ignore_unhandled_usr1() -> object | None:
+    """Route SIGUSR1 to a log line when nothing else listens for it (its
+    default action kills the process without a checkpoint). Returns the
+    previous handler when this installed one, else None."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    if usr1 is None:
+        return None
+    try:
+        current = signal.getsignal(usr1)
+        if current not in (signal.SIG_DFL, None):
+            return None  # a hook (OnDemandValidation) or the embedding program listens
+        return signal.signal(usr1, _log_ignored_usr1)
+    except ValueError:  # not the main thread
+        return None
+
+
 class StopControl:
     """The trainer's stop flags: requests (:meth:`request`) and pre-emption
     signals, agreed across ranks at a step boundary (see the module docstring).
 
     Args:
-        preempt_signals: signal names that mean "checkpoint and exit 75".
+        preempt_signals: signal names that mean "checkpoint and exit 75"
+            (SIGTERM and SIGHUP always do, :data:`STANDARD_PREEMPT`).
         check_every: steps between the all-reduces that agree on a stop when
             several processes run (a single process checks every step).
 
@@ -57,7 +95,9 @@ class StopControl:
     reason and ``preempted`` tells a signal from a request.
     """
     def __init__(self, preempt_signals: Iterable[str] = ("SIGTERM",), check_every: int = 10):
-        self.signals = resolve_signals(preempt_signals)
+        names = [n for n in STANDARD_PREEMPT if hasattr(signal, n)]
+        names += [n for n in preempt_signals if n not in names]
+        self.signals = resolve_signals(names)
         self.check_every = max(1, int(check_every))
         self.distributed = comm.get_world_size() > 1
         self.pending = False  # any local flag set: the only thing the loop reads per step
@@ -81,13 +121,18 @@ class StopControl:
         self.pending = True
 
     def install(self) -> None:
+        """Listen for the pre-emption signals, and log-and-ignore an unserved SIGUSR1."""
         for signum in self.signals:
             try:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
             except ValueError:  # not the main thread (e.g. inside a test runner thread)
                 pass
+        previous = ignore_unhandled_usr1()
+        if previous is not None:
+            self._previous[signal.SIGUSR1] = previous
 
     def uninstall(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()

@@ -37,7 +37,7 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=
 # Signals the main process turns into a checkpoint-and-exit; data workers must
 # survive them (a SLURM pre-emption signals the whole process group) so the
 # main process can still finish its last step and save.
-_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
 class SeededDataset(Dataset):

@@ -15,6 +15,8 @@ interrupted from the keyboard.
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
 import random
 import signal
@@ -23,6 +25,7 @@ import traceback
 from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
+from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
@@ -32,7 +35,7 @@ from pimm.utils import comm
 from pimm.utils.config import Config
 from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
 from pimm.utils.config_slots import check_registry_dicts
-from pimm.utils.logger import setup_logger
+from pimm.utils.logger import FILE_ONLY, log_file, setup_logger
 from pimm.utils.run_lock import RunLock
 
 __all__ = ["main", "load_config", "build_trainer"]
@@ -128,7 +131,7 @@ def _run(args, mode: str, attempt_box: list) -> int:
     finally:
         for held in lock:
             held.release()
-        for name in ("SIGTERM", *_PREEMPT_NAMES):
+        for name in (*STANDARD_PREEMPT, "SIGUSR1", *_PREEMPT_NAMES):
             if hasattr(signal, name):
                 try:
                     signal.signal(getattr(signal, name), signal.SIG_DFL)
@@ -137,6 +140,19 @@ def _run(args, mode: str, attempt_box: list) -> int:
 
 
 _PREEMPT_NAMES: list[str] = []
+_LOCKS: list = []  # the run locks this process took (for the reason when one was lost)
+
+
+def _stop_writing(reason: str) -> None:
+    """The run lock was taken by another run (found by its heartbeat thread):
+    interrupt the main thread at once; :func:`main` reports ``reason``, exit 2."""
+    import _thread
+
+    _thread.interrupt_main()
+
+
+def _lost_lock() -> str | None:
+    return next((lock.lost for lock in list(_LOCKS) if lock.lost), None)
 
 
 def _take_run_lock(cfg, lock: list) -> None:
@@ -146,7 +162,8 @@ def _take_run_lock(cfg, lock: list) -> None:
     error = None
     if comm.get_rank() == 0 and not os.environ.get("PIMM_RUN_LOCK_HELD"):
         try:
-            lock.append(RunLock(cfg.save_path).acquire())
+            lock.append(RunLock(cfg.save_path, on_lost=_stop_writing).acquire())
+            _LOCKS[:] = lock
         except UserError as err:
             error = str(err)
     error = comm.broadcast_object(error)
@@ -157,7 +174,8 @@ def _take_run_lock(cfg, lock: list) -> None:
 
 def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int:
     comm.init_distributed_from_env()
-    _install_startup_signals(("SIGTERM",))
+    _install_startup_signals(STANDARD_PREEMPT)
+    ignore_unhandled_usr1()  # until a hook (OnDemandValidation) listens for it
     cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode, check_save_path=False)
     if mode == "train" and cfg.test_only:
         if not cfg.weight:
@@ -201,6 +219,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     except BaseException as err:
         if not getattr(err, "_pimm_logged", False):
             logger.exception(f"{mode} failed")
+            err._pimm_logged = True
         raise
     if mode == "train" and trainer.outcome == "stopped":
         attempt_box.append(f"stopped: {trainer.control.describe()}")
@@ -224,10 +243,11 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
             cfg, _ = load_config(args.config_file, args.options, args.num_gpus, mode, check_save_path=False)
             if mode != "train":
                 return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus)
-            with RunLock(cfg.save_path):  # held by this parent for all its ranks
+            with RunLock(cfg.save_path, on_lost=_stop_writing) as parent_lock:  # held for all its ranks
+                _LOCKS[:] = [parent_lock]
                 guard_fresh_run(cfg)
                 return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus,
-                                   env={"PIMM_RUN_LOCK_HELD": "1"})
+                                   env={"PIMM_RUN_LOCK_HELD": "1"}, log_path=str(Path(cfg.save_path) / "train.log"))
         code = _run(args, mode, attempt_box)
         reason = next((r for r in attempt_box if isinstance(r, str)), "completed")
         return code
@@ -246,6 +266,11 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
                           f"{EXIT_PREEMPTED})")
         return code
     except KeyboardInterrupt:
+        lost = _lost_lock()
+        if lost is not None:  # the heartbeat interrupted us: another run took save_path
+            code, reason = EXIT_USAGE, f"run lock lost: {lost}"
+            _report_error(f"error: {lost}")
+            return code
         code, reason = EXIT_INTERRUPTED, "interrupted"
         _report_error("error: interrupted")
         return code
@@ -253,13 +278,43 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
         code, reason = EXIT_FAILURE, f"failed: {type(err).__name__}: {err}"
         if debug:
             traceback.print_exc()
-        _report_error(f"error: {mode} failed: {err.__class__.__name__}: {err} (traceback in {mode}.log)")
+        _report_error(_failure_line(err, mode))
         return code
     finally:
         for attempt in attempt_box:
             if isinstance(attempt, AttemptRecord):
                 attempt.end(reason, code)
         comm.destroy_distributed()
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OS error (with a file name) behind ``err``, following its causes."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None and err.filename:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _failure_line(err: Exception, mode: str) -> str:
+    """The one ``error:`` line of a failure (exit 1): an OS error names the file
+    and the error (ENOSPC, EROFS, EACCES, ...); the line points at the log only
+    when the traceback is really in it."""
+    logger = logging.getLogger("pimm")
+    if not getattr(err, "_pimm_logged", False) and log_file() is not None:
+        logger.error(f"{mode} failed", exc_info=err, extra=FILE_ONLY)
+    os_err = _os_error(err)
+    if os_err is not None:
+        name = errno.errorcode.get(os_err.errno, str(os_err.errno))
+        line = (f"error: cannot write {os_err.filename}: {os_err.strerror} ({name}); committed checkpoints are "
+                "intact: fix the disk (space, permissions) and rerun with resume=True")
+    else:
+        line = f"error: {mode} failed: {err.__class__.__name__}: {err}"
+    where = log_file()
+    return line + (f" (traceback in {where.name})" if where is not None
+                   else " (no log holds the traceback: rerun with PIMM_DEBUG=1 to see it)")
 
 
 def _report_error(line: str) -> None:

@@ -123,6 +123,7 @@ def _sync_pauser(model: torch.nn.Module | None):
     """A zero-argument context factory that pauses gradient sync, or None."""
     if model is None:
         return None
+    model = getattr(model, "_orig_mod", model)  # under torch.compile: the wrapped DDP/FSDP module
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard)

@@ -34,7 +34,7 @@ from torch import nn
 from pimm.utils.errors import ConfigError
 
 __all__ = ["DEFAULT_PARALLEL", "ParallelConfig", "check_parallel", "parallel_config", "shard_model",
-           "sync_buffers", "is_sharded", "full_state_dict", "full_parameters"]
+           "sync_buffers", "is_sharded", "check_shard_modules", "full_state_dict", "full_parameters"]
 
 DEFAULT_PARALLEL = dict(strategy="ddp", shard_modules=None, reshard_after_forward=True, mixed_precision=None)
 STRATEGIES = ("ddp", "fsdp")
@@ -110,6 +110,24 @@ def parallel_config(cfg) -> ParallelConfig:
                           param_dtype=precision.get("param_dtype"), reduce_dtype=precision.get("reduce_dtype"))
 
 
+def check_shard_modules(model: nn.Module, config: ParallelConfig) -> None:
+    """Every class named in ``config.shard_modules`` is a submodule class of
+    ``model``, else a one-line ConfigError. Called wherever the model is built
+    (one process too, where nothing is sharded), so a typo fails the same way
+    at any world size."""
+    if not config.fsdp or not config.shard_modules:
+        return
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in config.shard_modules if name not in present]
+    if missing:
+        import difflib
+
+        close = difflib.get_close_matches(missing[0], sorted(present), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"parallel.shard_modules: {type(model).__name__} has no submodule of class "
+                          f"{missing[0]!r} ({hint}its classes are {', '.join(sorted(present))})")
+
+
 def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, world_size: int,
                 logger=None, keep_frozen_whole: bool = False) -> nn.Module:
     """``fully_shard`` the submodules of the classes in ``config.shard_modules``
@@ -121,12 +139,8 @@ def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     units = []
+    check_shard_modules(model, config)
     if config.shard_modules:
-        present = {type(m).__name__ for m in model.modules()}
-        missing = [name for name in config.shard_modules if name not in present]
-        if missing:
-            raise ConfigError(f"parallel.shard_modules: {type(model).__name__} has no submodule of class "
-                              f"{missing[0]!r}; its classes are {', '.join(sorted(present))}")
         wanted = set(config.shard_modules)
         units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
     mesh = init_device_mesh(device.type, (world_size,))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.utils.errors import ConfigError
 
@@ -221,6 +222,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("find_unused_parameters", False, _bool, "passed to DDP (also a train option)"),
     RuntimeKey("parallel", DEFAULT_PARALLEL, check_parallel,
                "strategy 'ddp' (replicas) or 'fsdp' (FSDP2 sharding; options in docs/distributed.md)"),
+    RuntimeKey("compile", DEFAULT_COMPILE, check_compile,
+               "torch.compile the training model (enabled=True; mode/dynamic/fullgraph/backend as torch.compile's)"),
     RuntimeKey("prefetch_factor", None, _int(1, allow_none=True),
                "batches each data worker loads ahead (None: torch's default, 2)"),
     RuntimeKey("structured_logging", dict(enabled=False, trace_hooks=False, batch_stats_every=1,

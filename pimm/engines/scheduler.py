@@ -18,6 +18,15 @@ built (length, warm-up, milestones, base lrs), then sets each group's lr (and
 a cycled momentum) for the restored step. With an unchanged config that is
 exactly the lr the uninterrupted run has at that step; after ``epoch`` was
 raised, the longer schedule continues from the same step.
+
+Changing the lr while training (a plateau hook, LiveControl, your own hook)
+goes through :func:`scale_lr`: every scheduler here multiplies the schedule's
+lr by a factor ``lr_scale`` (1 unless scaled), so the schedule keeps its shape
+(lr = schedule(step) x lr_scale) and the ratios between param groups hold.
+``lr_scale`` is scheduler *state*, like its step counter: it is saved with the
+scheduler and restored on resume, so a decision taken before a checkpoint
+needs no re-application, and it is not a config change. (Writing
+``param_groups[i]["lr"]`` directly is undone by the next scheduler step.)
 """
 
 from __future__ import annotations
@@ -42,7 +51,15 @@ __all__ = [
     "CosineWarmupLR",
     "PolyLR",
     "ConstantLR",
+    "scale_lr",
+    "MIN_LR_SCALE",
+    "MAX_LR_SCALE",
 ]
+
+# The bounds of a schedule's accumulated lr scale: beyond them an lr is either
+# meaningless (1e-300 is 0 in every optimizer's arithmetic, and a 0 scale can
+# never be raised again by a relative change) or overflows to inf/NaN.
+MIN_LR_SCALE, MAX_LR_SCALE = 1e-12, 1e12
 
 
 def _check_total_steps(total_steps: Any) -> int:
@@ -70,11 +87,20 @@ def _check_number(name: str, value: Any, low: float | None = None, high: float |
     return value
 
 
+def _check_scale(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not MIN_LR_SCALE <= value <= MAX_LR_SCALE:
+        raise ValueError(f"{what} must be a finite number in [{MIN_LR_SCALE:g}, {MAX_LR_SCALE:g}], got {value!r}")
+    return float(value)
+
+
 class _GroupStateMixin:
-    """Resume by progress only (see module doc)."""
+    """Resume by progress and lr scale only (see module doc)."""
 
     optimizer: Optimizer
     _PROGRESS = ("last_epoch", "_step_count")
+    # Class default, so torch's __init__ (which already computes an lr) sees it.
+    lr_scale: float = 1.0
 
     def _owned_group_keys(self) -> tuple[str, ...]:
         return ("lr", "initial_lr")
@@ -82,18 +108,51 @@ class _GroupStateMixin:
     def state_dict(self) -> dict[str, Any]:
         # Deep-copied so a kept state dict is a snapshot, not a view that keeps
         # changing while training goes on.
-        return copy.deepcopy(super().state_dict())  # type: ignore[misc]
+        state = copy.deepcopy(super().state_dict())  # type: ignore[misc]
+        state["lr_scale"] = self.lr_scale
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = [k for k in self._PROGRESS if k not in state_dict]
         if missing:
             raise CheckpointError(f"scheduler state lacks {missing}: not a pimm/torch LR scheduler state")
+        try:  # absent in checkpoints written before lr_scale existed: unscaled
+            scale = _check_scale(state_dict.get("lr_scale", 1.0), "the checkpoint's scheduler lr_scale")
+        except ValueError as err:
+            raise CheckpointError(f"{err}: the scheduler state is damaged") from None
         for key in self._PROGRESS:
             setattr(self, key, state_dict[key])
+        self.lr_scale = scale
+        self._set_lrs()
+
+    def _set_lrs(self) -> None:
         lrs = self.get_lr()  # type: ignore[attr-defined]
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the lr of every param group, now and for the rest of the
+        schedule, by ``factor``; returns the new accumulated ``lr_scale``.
+
+        The factor must be a finite positive number, and the accumulated scale
+        must stay within [MIN_LR_SCALE, MAX_LR_SCALE] with every group's lr
+        finite; otherwise ValueError and nothing changes. The same factors in
+        the same order give the same floats (exact resume relies on it)."""
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"an lr factor must be a finite positive number, got {factor!r}")
+        new = self.lr_scale * float(factor)
+        if not MIN_LR_SCALE <= new <= MAX_LR_SCALE:
+            raise ValueError(f"scaling the lr by {factor:g} would make the schedule's scale {new:g}, outside "
+                             f"[{MIN_LR_SCALE:g}, {MAX_LR_SCALE:g}] (the lr would be meaningless or overflow)")
+        old = self.lr_scale
+        self.lr_scale = new
+        if not all(math.isfinite(lr) for lr in self.get_lr()):  # type: ignore[attr-defined]
+            self.lr_scale = old
+            raise ValueError(f"scaling the lr by {factor:g} would make it non-finite")
+        self._set_lrs()
+        return new
 
 
 class _ClosedFormLR(_GroupStateMixin, torch_sched.LRScheduler):
@@ -107,7 +166,7 @@ class _ClosedFormLR(_GroupStateMixin, torch_sched.LRScheduler):
         raise NotImplementedError
 
     def get_lr(self) -> list[float]:
-        return [self._lr_at(base_lr, self.last_epoch) for base_lr in self.base_lrs]
+        return [self._lr_at(base_lr, self.last_epoch) * self.lr_scale for base_lr in self.base_lrs]
 
     # Lets torch's deprecated ``step(epoch)`` path use the same formula.
     _get_closed_form_lr = get_lr
@@ -307,7 +366,8 @@ class OneCycleLR(_GroupStateMixin, torch_sched.OneCycleLR):
                 if step <= end_step or i == len(self._schedule_phases) - 1:
                     span = end_step - start_step
                     pct = (step - start_step) / span if span != 0 else 1.0
-                    lrs.append(self._anneal_func(group[phase["start_lr"]], group[phase["end_lr"]], pct))
+                    lrs.append(self._anneal_func(group[phase["start_lr"]], group[phase["end_lr"]], pct)
+                               * self.lr_scale)
                     if self.cycle_momentum:
                         momentum = self._anneal_func(
                             group[phase["start_momentum"]], group[phase["end_momentum"]], pct
@@ -319,6 +379,30 @@ class OneCycleLR(_GroupStateMixin, torch_sched.OneCycleLR):
                     break
                 start_step = end_step
         return lrs
+
+
+def scale_lr(optimizer: Optimizer, scheduler: Any, factor: float) -> float:
+    """Multiply the learning rate by ``factor`` from now on, keeping the
+    schedule's shape: every param group's lr becomes ``schedule(step) x
+    lr_scale`` with ``lr_scale`` multiplied by ``factor``. Returns the new
+    accumulated scale.
+
+    The scale is part of the scheduler's state: it is saved in every
+    checkpoint and restored on resume, so a hook that decided to lower the lr
+    does not re-apply anything after a resume, and the resume does not report
+    it as a config change. ``scheduler`` must be one of pimm's schedulers
+    (``scheduler.scale_lr``); a torch scheduler is a TypeError. ValueError
+    (nothing changed) when ``factor`` is not a finite positive number or the
+    accumulated scale would leave [MIN_LR_SCALE, MAX_LR_SCALE].
+
+    Example, in a hook: ``scale_lr(self.trainer.optimizer, self.trainer.scheduler, 0.5)``.
+    """
+    if not isinstance(scheduler, _GroupStateMixin):
+        raise TypeError(f"scale_lr needs one of pimm's schedulers (pimm.engines.scheduler), not "
+                        f"{type(scheduler).__name__}")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("scale_lr: the scheduler does not drive this optimizer")
+    return scheduler.scale_lr(factor)
 
 
 def _accepts(scheduler_type: Any, name: str) -> bool:

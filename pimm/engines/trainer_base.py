@@ -39,6 +39,7 @@ from pimm.engines.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
 from pimm.engines.tracing import NULL_TRACER
 from pimm.utils.errors import TrainingPreempted, UserError
+from pimm.utils.logger import FILE_ONLY
 
 __all__ = ["TrainerBase"]
 
@@ -124,6 +125,7 @@ class TrainerBase:
     def train(self) -> None:
         """Run training to ``max_epoch`` or until a stop (see the module docstring)."""
         tracer = self.tracer
+        looping = False
         try:
             self.control.install()
             restored = self.restore()
@@ -140,6 +142,7 @@ class TrainerBase:
                     f"Nothing to train: {self.train_state.epoch} of {self.max_epoch} epochs are already done "
                     "(raise `epoch` to extend this run)"
                 )
+            looping = True
             stopped = self._run_epochs()
             if stopped:
                 tracer.instant("preempted" if self.control.preempted else "stop", reason=self.control.describe())
@@ -150,6 +153,9 @@ class TrainerBase:
             if not isinstance(exc, UserError):
                 self.logger.exception(f"Training failed at epoch {self.epoch + 1}, step {self.global_step}")
                 exc._pimm_logged = True  # the launcher must not log it a second time
+            elif looping:  # bad input found mid-run (not a refused start): its line in train.log too
+                self.logger.error(f"error: {exc} (at epoch {self.epoch + 1}, step {self.global_step})",
+                                  extra=FILE_ONLY)
             self.call_hooks("on_exception", exc)
             raise
         finally:
@@ -158,7 +164,13 @@ class TrainerBase:
             finally:
                 tracer.instant("train_end", outcome=self.outcome)
                 self.control.uninstall()
-                self.close()
+                try:
+                    self.close()
+                except Exception:
+                    if self.outcome != "failed":
+                        raise
+                    # A full disk fails the writers' flush too: keep the first error, not this one.
+                    self.logger.error("Closing after the failure failed as well", exc_info=True, extra=FILE_ONLY)
                 tracer.close()
         if self.outcome == "preempted":
             raise TrainingPreempted(self.control.describe())

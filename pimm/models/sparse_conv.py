@@ -39,8 +39,8 @@ class _SparseConvFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
         layout = kmap.layout
         cin, cout = weight.shape[1:]
+        # Padding slots gather row 0: their messages are summed nowhere.
         x_slots = x.index_select(0, layout.gather_in)
-        x_slots.index_fill_(0, layout.pads, 0.0)
         w_blocks = weight.index_select(0, layout.slot_offsets)  # one weight per block, in slot order
         msgs = x.new_empty(x_slots.shape[0], cout)
         for xb, wb, mb, (n, _) in zip(x_slots.split(layout.bucket_slots), w_blocks.split(layout.bucket_blocks),
@@ -49,18 +49,26 @@ class _SparseConvFunction(torch.autograd.Function):
         out = layout.to_out(msgs) if msgs.shape[0] else x.new_zeros(kmap.num_out, cout)
         if kmap.identity >= 0:
             out.addmm_(x, weight[kmap.identity])
-        ctx.save_for_backward(x, weight, x_slots, w_blocks)
+        # Only x and the weight are kept: the gathered rows (a copy of x
+        # per pair, 3-4x its size) and the weight blocks are gathered again in
+        # backward, which halves the memory a training step holds for a
+        # fraction of a gather's time.
+        ctx.save_for_backward(x, weight)
         ctx.kmap = kmap
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, x_slots, w_blocks = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         kmap: KernelMap = ctx.kmap
         layout = kmap.layout
         cin, cout = weight.shape[1:]
+        x_slots = x.index_select(0, layout.gather_in)
+        w_blocks = weight.index_select(0, layout.slot_offsets)
         grad_out = grad_out.contiguous()
-        g_slots = grad_out.index_select(0, layout.gather_out)
+        # Zero gradient in the padding slots keeps them out of the weight
+        # gradient (their x rows are row 0, not zero).
+        g_slots = grad_out.index_select(0, layout.gather_out).index_fill_(0, layout.pads, 0.0)
         need_x = ctx.needs_input_grad[0]
         grad_blocks = torch.empty_like(w_blocks)
         back = torch.empty_like(x_slots) if need_x else None
@@ -69,7 +77,6 @@ class _SparseConvFunction(torch.autograd.Function):
                      back.split(layout.bucket_slots) if need_x else [None] * len(layout.buckets), layout.buckets)
         for xb, gb, wt, grad_b, bb, (n, _) in pieces:
             gb = gb.view(n, -1, cout)
-            # Padding rows of x_slots are zero, so they add nothing here.
             torch.bmm(xb.view(n, -1, cin).transpose(1, 2), gb, out=grad_b)
             if need_x:
                 torch.bmm(gb, wt, out=bb.view(n, -1, cin))

@@ -68,7 +68,7 @@ class PairLayout:
     """Slots of a kernel map (see the module docstring).
 
     Padding slots gather row 0 and are summed nowhere; the convolution zeroes
-    them in its gathered input so that they add nothing to the weight
+    their gathered output gradient so that they add nothing to the weight
     gradient either.
     """
 

@@ -15,7 +15,7 @@ import re
 from typing import Any, Iterable
 
 from .config_dict import ConfigDict, to_config_value
-from .config_slots import check_registry_dicts, resolve, unknown_key_message
+from .config_slots import check_registry_dicts, resolve, resolve_section, unknown_key_message
 from .errors import ConfigError, RegistryError
 
 __all__ = ["apply_option", "merge_options", "parse_options", "parse_value"]
@@ -122,6 +122,8 @@ def _check_parameter(cfg: dict, key: str, seg: str, last: bool, missing: list[tu
             resolved = resolve(node, where)
         except RegistryError as err:
             raise RegistryError(f"--options {key}: {err}") from None
+        if resolved is None:
+            resolved = resolve_section(cfg, where)  # e.g. model.grpo: the objective's options
         if resolved is None:
             raise _unknown_key(cfg, key)
         if seg in resolved.filled or not resolved.params.accepts(seg):

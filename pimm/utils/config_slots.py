@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 from .errors import ConfigError, RegistryError
 from .registry import Parameters, Registry, parameters_of, registries
 
-__all__ = ["SLOTS", "BUILDER_ARGS", "BUILDER_KEYS", "Resolved", "slot_registry", "resolve",
+__all__ = ["SLOTS", "BUILDER_ARGS", "BUILDER_KEYS", "Resolved", "slot_registry", "resolve", "resolve_section",
            "check_registry_dicts"]
 
 # (path pattern, registry name): ``*`` is any one key, ``#`` a list index.
@@ -133,6 +133,46 @@ def resolve(node: Any, path: str) -> Resolved | None:
     filled = tuple(dict.fromkeys(n for _, f in parts for n in f))
     kinds = "/".join(dict.fromkeys(reg for reg, _ in classes))
     return Resolved(f"{kinds} {name}", Parameters(names, any(p.open for p, _ in parts)), filled)
+
+
+def _classes(node: Any, path: str) -> list[tuple[str, Callable]]:
+    """The (registry name, class) pairs the dict ``node`` at ``path`` may be
+    built as; [] when that cannot be told (no error for unknown names)."""
+    if not isinstance(node, dict) or "type" not in node:
+        return []
+    type_value, slot = node["type"], slot_registry(path)
+    if not isinstance(type_value, str):
+        return [(slot or "type", type_value)] if callable(type_value) else []
+    own: list[Registry] = registries(slot) if slot else []
+    found = [(r.name, r.find(type_value)) for r in own if r.find(type_value) is not None]
+    if not found:
+        found = [(r.name, r.find(type_value)) for r in registries() if r.find(type_value) is not None]
+    return list({id(cls): (reg, cls) for reg, cls in found}.values())
+
+
+def resolve_section(cfg: dict, path: str) -> Resolved | None:
+    """What the plain dict at ``path`` takes when its parent is a registry-built
+    dict whose class declares it an options section: ``config_sections =
+    {"grpo": GRPOObjective}`` on a model says that ``model.grpo`` holds the
+    keyword arguments of ``GRPOObjective`` (its parameters are then defined
+    keys, listed or not). None when the parent declares no such section."""
+    parent_path, _, key = path.rpartition(".")
+    if not parent_path:
+        return None
+    parent: Any = cfg
+    for seg in parent_path.split("."):
+        if isinstance(parent, dict) and seg in parent:
+            parent = parent[seg]
+        elif isinstance(parent, (list, tuple)) and _INDEX.fullmatch(seg) and -len(parent) <= int(seg) < len(parent):
+            parent = parent[int(seg)]
+        else:
+            return None
+    sections = [getattr(cls, "config_sections", {}).get(key) for _, cls in _classes(parent, parent_path)]
+    sections = [section for section in sections if section is not None]
+    if not sections:
+        return None
+    params = parameters_of(sections[0])
+    return Resolved(f"{path} ({sections[0].__name__} options)", params, ())
 
 
 def _slot_nodes(node: Any, pattern: list[str], path: str = "") -> Iterator[tuple[str, Any]]:

@@ -10,6 +10,7 @@ from pimm.engines.hooks.information_writer import InformationWriter
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.hooks.nan_guard import NaNGuard, NonFiniteStep
 from pimm.engines.hooks.live_control import LiveControl
+from pimm.engines.hooks.lr_plateau import ReduceLROnPlateau
 from pimm.engines.hooks.on_demand import OnDemandValidation
 from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
@@ -17,4 +18,5 @@ from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
 
 __all__ = ["HookBase", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
            "EvaluatorBase", "InformationWriter", "IterationTimer", "NaNGuard", "NonFiniteStep", "ProgressBar",
-           "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation"]
+           "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation",
+           "ReduceLROnPlateau"]

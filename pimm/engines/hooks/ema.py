@@ -39,6 +39,8 @@ is not supported yet: each rank would need the average of its own shards only.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -73,6 +75,10 @@ class EMAHook(HookBase):
     update_every: average after every K-th real optimizer update.
     evaluate: also evaluate the averaged weights at every evaluation (``val_ema/...``).
     export: write ``model/model_ema.pth`` with every checkpoint.
+    name: tells several averages apart (e.g. two decays): the metrics are
+        ``val_<name>/...`` and the file ``model/model_<name>.pth``; two
+        EMAHooks with the same name would overwrite each other's file and
+        metrics, so they are refused at start-up.
     """
 
     # after_step: the average is updated before evaluators (NORMAL) score it
@@ -80,17 +86,20 @@ class EMAHook(HookBase):
     priority = "ABOVE_NORMAL"
 
     def __init__(self, decay: float = 0.999, warmup: bool = True, update_every: int = 1, evaluate: bool = True,
-                 export: bool = True):
+                 export: bool = True, name: str = "ema"):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be a number in (0, 1) (e.g. 0.999), got {decay!r}")
         if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
             raise ValueError(f"update_every must be a positive integer, got {update_every!r}")
-        for name, flag in (("warmup", warmup), ("evaluate", evaluate), ("export", export)):
+        for option, flag in (("warmup", warmup), ("evaluate", evaluate), ("export", export)):
             if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+                raise ValueError(f"{option} must be True or False, got {flag!r}")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise ValueError(f"name must be letters, digits or '_' (it names model_<name>.pth), got {name!r}")
         self.decay, self.warmup, self.update_every = float(decay), warmup, update_every
-        self.evaluate, self.export = evaluate, export
-        self.publishes_prefix = EMA_PREFIX if evaluate else None  # for EarlyStopping(monitor="val_ema/...")
+        self.evaluate, self.export, self.name = evaluate, export, name
+        self.prefix = EMA_PREFIX if name == "ema" else f"val_{name}"
+        self.publishes_prefix = self.prefix if evaluate else None  # for EarlyStopping(monitor="val_ema/...")
         self.averaged: AveragedModel | None = None
         self.real_updates = 0  # optimizer updates that happened (skipped steps excluded)
         self._restored: dict | None = None
@@ -112,6 +121,11 @@ class EMAHook(HookBase):
 
     def before_train(self) -> None:
         trainer = self.trainer
+        twins = [h for h in getattr(trainer, "hooks", ()) if isinstance(h, EMAHook) and h.name == self.name]
+        if len(twins) > 1:
+            raise ConfigError(f"hooks: {len(twins)} EMAHook entries share name={self.name!r}: they would write one "
+                              f"model/model_{self.name}.pth and one set of val_{self.name}/ metrics; give each its "
+                              "own name (e.g. name='ema_slow')")
         model = trainer.model_without_ddp
         if _is_sharded(model):
             raise ConfigError("EMAHook does not support sharded (FSDP) models yet; train with DDP or remove EMAHook")
@@ -127,10 +141,10 @@ class EMAHook(HookBase):
                 raise CheckpointError(f"EMAHook: the averaged weights in the checkpoint do not fit the model "
                                       f"({first}); resume with the original model config") from None
             self.real_updates = int(state["real_updates"])
-        trainer.metrics.declare(f"{EMA_PREFIX}/loss", "min")
+        trainer.metrics.declare(f"{self.prefix}/loss", "min")
         for evaluator in trainer.evaluators:  # val_ema/<metric> goes the way val/<metric> goes
             if evaluator.metric_name is not None:
-                trainer.metrics.declare(f"{EMA_PREFIX}/{evaluator.metric_name}",
+                trainer.metrics.declare(f"{self.prefix}/{evaluator.metric_name}",
                                         "max" if evaluator.greater_is_better else "min")
 
     # -- averaging ----------------------------------------------------------
@@ -163,12 +177,12 @@ class EMAHook(HookBase):
             return
         for evaluator in due:
             self._scored[id(evaluator)] = done
-        trainer.validate(due, model=self.averaged.module, prefix=EMA_PREFIX, kind=kind)
+        trainer.validate(due, model=self.averaged.module, prefix=self.prefix, kind=kind)
 
     def before_save_checkpoint(self) -> None:
         if not self.export or self.averaged is None:
             return
-        self.trainer.add_model_file("model_ema.pth", self.averaged.module)  # written after the commit
+        self.trainer.add_model_file(f"model_{self.name}.pth", self.averaged.module)  # written after the commit
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -11,10 +11,9 @@ applied once, when it is higher than the last applied one; a change read at
 step ``s`` takes effect from step ``s + 1``. Keys:
 
 * ``lr``: the learning rate of the default param group from now on. The
-  schedule is rebased, not overridden: every base value of the schedule
-  (each group's ``initial_lr``, OneCycle's ``max_lr``/``min_lr``, an absolute
-  ``eta_min``) is multiplied by ``lr / current lr``, so warm-up, decay and the
-  ratios between param groups continue, scaled.
+  schedule is scaled, not overridden: :func:`pimm.engines.scale_lr` multiplies
+  it by ``lr / current lr``, so warm-up, decay and the ratios between param
+  groups continue, scaled.
 * ``eval_every_n_steps``: every evaluator evaluates at each multiple of N
   global steps instead of at epoch ends; ``null`` returns to epoch ends only.
 * ``log_frequency``: InformationWriter's log cadence (steps).
@@ -32,15 +31,25 @@ normal and silent; a malformed one (bad JSON, unknown key, wrong type, a
 revision that is not higher) gives one warning per distinct content and
 changes nothing.
 
-Resume. The hook's state (the last applied revision and the list of applied
-changes with their steps) is in every checkpoint; on resume the config
-rebuilds the lr schedule, evaluation and log intervals ("config wins"), so
-the hook re-applies its recorded changes, in order and with the same factors,
-in ``after_load_checkpoint``: the resumed run has the values the
-uninterrupted run had. A change applied after the newest checkpoint (the run
+Every value is checked before anything is applied (ranges in ``LIMITS``,
+documented in docs/hooks/live-control.md): a number outside its range, a
+revision that is not an int of at most 2**53 - 1, an lr change that would
+leave the schedule's scale range or make an lr non-finite, a file that is not
+a regular file (a FIFO is opened non-blocking and refused, never read) or is
+larger than ``MAX_FILE_BYTES``: a warning, and a ``"refused"`` line in the
+audit. A refused change is never applied and never replayed.
+
+Resume. The lr scale is the scheduler's state (saved and restored with it);
+the hook's state (the last applied revision and the list of applied changes
+with their steps) is in every checkpoint; on resume the config rebuilds the
+evaluation and log intervals ("config wins"), so the hook re-applies those
+recorded changes in ``after_load_checkpoint``: the resumed run has the values
+the uninterrupted run had. A change applied after the newest checkpoint (the run
 was killed before the next one) is not in that state, but it is in the audit
 file: the resumed run re-applies it at the step where it was first applied
-(marked ``"replayed": true`` in the audit), and it does not read
+(marked ``"replayed": true`` in the audit; a recorded change that fails
+today's checks, e.g. one written by an older pimm that broke the run, is
+audited as refused and skipped), and it does not read
 ``control.json`` until it has passed the last recorded change, so an edited
 file cannot reorder history. The guarantee: a resumed run applies exactly the
 changes the interrupted run applied, at the same steps, whatever
@@ -54,83 +63,26 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import math
 import uuid
 from pathlib import Path
 
 from pimm.engines.hooks.base import HookBase
+from pimm.engines.hooks.control_file import (AUDIT_FILE, SETTINGS, ControlFileError, check_changes, parse_control,
+                                             read_control_file)
 from pimm.engines.hooks.information_writer import InformationWriter
 from pimm.engines.hooks.on_demand import validate_on_demand
 from pimm.engines.registries import HOOKS
-from pimm.engines.scheduler import OneCycleLR, _ClosedFormLR
+from pimm.engines.scheduler import MAX_LR_SCALE, MIN_LR_SCALE, _GroupStateMixin, scale_lr
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import append_jsonl, read_jsonl
 
-__all__ = ["LiveControl", "parse_control", "rebase_lr", "AUDIT_FILE"]
-
-AUDIT_FILE = "control_audit.jsonl"
-SETTINGS = ("lr", "eval_every_n_steps", "log_frequency")
-ACTIONS = ("evaluate", "checkpoint", "stop")
-KEYS = ("revision", "note", *SETTINGS, *ACTIONS)
-# Schedules whose lr is proportional to the base values rebase_lr scales.
-REBASABLE = (_ClosedFormLR, OneCycleLR)
-
-
-class ControlFileError(ValueError):
-    """control.json cannot be applied (the message says why)."""
+__all__ = ["LiveControl", "parse_control", "read_control_file", "AUDIT_FILE"]
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def parse_control(raw: bytes) -> dict:
-    """``{"revision": int, "changes": {...}}`` from the file's bytes, or
-    ControlFileError naming the problem."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ControlFileError(f"it is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ControlFileError(f"it must hold a JSON object, not {type(data).__name__}")
-    unknown = sorted(set(data) - set(KEYS))
-    if unknown:
-        raise ControlFileError(f"unknown key(s) {unknown}; it takes {', '.join(KEYS)}")
-    if not _is_int(data.get("revision")):
-        raise ControlFileError(f"'revision' must be an integer, got {data.get('revision')!r}")
-    checks = {
-        "lr": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
-               "a positive number"),
-        "eval_every_n_steps": (lambda v: v is None or (_is_int(v) and v > 0), "a positive integer or null"),
-        "log_frequency": (lambda v: _is_int(v) and v > 0, "a positive integer"),
-        "evaluate": (lambda v: isinstance(v, bool), "true or false"),
-        "checkpoint": (lambda v: isinstance(v, bool), "true or false"),
-        "stop": (lambda v: isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
-                 "true, false or a reason string"),
-        "note": (lambda v: isinstance(v, str), "a string"),
-    }
-    for key, (ok, what) in checks.items():
-        if key in data and not ok(data[key]):
-            raise ControlFileError(f"{key!r} must be {what}, got {data[key]!r}")
-    return {"revision": data["revision"], "changes": {k: v for k, v in data.items() if k != "revision"}}
-
-
-def rebase_lr(optimizer, scheduler, scale: float) -> None:
-    """Multiply the schedule's base values by ``scale`` and set each group's lr
-    to the rebased schedule's value at the current step. Applying the same
-    factors in the same order reproduces the same floats (resume relies on it)."""
-    for group in optimizer.param_groups:
-        for key in ("initial_lr", "max_lr", "min_lr"):
-            if key in group:
-                group[key] *= scale
-    scheduler.base_lrs = [base * scale for base in scheduler.base_lrs]
-    if getattr(scheduler, "eta_min", None) is not None:
-        scheduler.eta_min *= scale
-    for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
-        group["lr"] = lr
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @HOOKS.register_module()
@@ -156,35 +108,53 @@ class LiveControl(HookBase):
         self._replay: list[dict] = []  # audit records to re-apply at their steps after a resume
         self._warned: set = set()
         self._restored = False
+        self._lr_in_scheduler = True  # False for a state saved before the scheduler kept the lr scale
 
     # -- state ----------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"revision": self.revision, "lineage": self.lineage, "history": [dict(h) for h in self.history]}
+        """The last applied revision, the run's id and the applied changes."""
+        return {"revision": self.revision, "lineage": self.lineage, "history": [dict(h) for h in self.history],
+                "lr_in_scheduler": True}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s content (re-applied in ``after_load_checkpoint``)."""
         self.revision = state.get("revision", 0)
         self.lineage = state.get("lineage")
         self.history = [dict(h) for h in state.get("history", [])]
+        self._lr_in_scheduler = bool(state.get("lr_in_scheduler", False))
         self._restored = True
 
     @property
     def control_path(self) -> Path:
+        """Where the hook reads its requests."""
         return Path(self.trainer.save_path) / self.file
 
     @property
     def audit_path(self) -> Path:
+        """The append-only record of applied and refused changes."""
         return Path(self.trainer.save_path) / AUDIT_FILE
 
     # -- phases ---------------------------------------------------------
     def after_load_checkpoint(self) -> None:
+        """Re-apply the restored changes the config rebuilt; queue those after the checkpoint."""
         if not self._restored:  # a warm start: nothing of this hook was restored
             return
-        for entry in self.history:  # the config rebuilt the lr and intervals: redo this run's changes
-            self._apply_settings(entry["changes"], entry.get("lr_scale"))
-        if self.history:
-            revisions = ", ".join(str(h["revision"]) for h in self.history)
-            self.trainer.logger.info(f"LiveControl: re-applied the changes of revision(s) {revisions} on top of the "
-                                     "configured values (an lr the config restored above is rebased again)")
+        kept = []
+        for entry in self.history:  # the config rebuilt the intervals: redo this run's changes
+            changes = entry.get("changes", {})
+            # Before the scheduler kept the lr scale (older checkpoints), the lr was redone from here.
+            lr_scale = None if self._lr_in_scheduler else entry.get("lr_scale")
+            problem = self._problem(changes, lr_scale if "lr" in changes else None, replay=True)
+            if problem:
+                self._refuse(entry.get("revision"), changes, f"restored change ignored: {problem}", replayed=True)
+                continue
+            self._apply_settings(changes, lr_scale)
+            kept.append(entry)
+        self.history = kept
+        if kept:
+            revisions = ", ".join(str(h["revision"]) for h in kept)
+            self.trainer.logger.info(f"LiveControl: restored the changes of revision(s) {revisions} (the lr scale "
+                                     "with the scheduler's state, the intervals re-applied over the config's)")
         records = comm.broadcast_object(self._recorded_after_checkpoint() if comm.is_main_process() else None)
         step = self.trainer.global_step
         for record in records:
@@ -194,10 +164,12 @@ class LiveControl(HookBase):
                 self._replay.append(record)
 
     def before_train(self) -> None:
+        """Give the run its audit id (kept across resumes)."""
         if self.lineage is None:
             self.lineage = comm.broadcast_object(uuid.uuid4().hex)
 
     def after_step(self) -> None:
+        """Replay a recorded change due at this step, or poll the file."""
         step = self.trainer.global_step
         if self._replay:  # a replayed change stands for the poll that first read it: no other read this step
             while self._replay and self._replay[0]["step"] <= step:
@@ -210,47 +182,81 @@ class LiveControl(HookBase):
             self._apply(request)
 
     # -- reading (rank 0) -----------------------------------------------
-    def _warn_once(self, key, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            self.trainer.logger.warning(f"LiveControl: {message}")
+    def _warn_once(self, key, message: str) -> bool:
+        if key in self._warned:
+            return False
+        self._warned.add(key)
+        self.trainer.logger.warning(f"LiveControl: {message}")
+        return True
+
+    def _audit(self, record: dict) -> None:
+        if comm.is_main_process():
+            append_jsonl(self.audit_path, {
+                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "step": self.trainer.global_step, **record, "run": self.lineage})
+
+    def _refuse(self, revision, changes, reason: str, key=None, replayed: bool = False) -> None:
+        """One warning per distinct content, and a "refused" audit line: never applied, never replayed."""
+        shown = revision if _is_int(revision) and len(str(revision)) <= 20 else None
+        where = f" revision {shown}" if shown is not None else ""
+        if self._warn_once(key if key is not None else (reason, shown, replayed), f"{self.file}{where} {reason}"):
+            self._audit({"revision": shown, "refused": reason, **({"changes": changes} if changes else {}),
+                         **({"replayed": True} if replayed else {})})
 
     def _read_request(self) -> dict | None:
         path = self.control_path
         try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
+            raw = read_control_file(path)
+        except ControlFileError as err:
+            self._refuse(None, None, f"ignored: {err}", key=("unusable", str(err)))
             return None
         except OSError as err:
             self._warn_once(("unreadable", str(err)), f"cannot read {path} ({err.strerror}); it is ignored")
+            return None
+        if raw is None:
             return None
         digest = hashlib.sha1(raw).hexdigest()
         try:
             request = parse_control(raw)
         except ControlFileError as err:
-            self._warn_once(digest, f"{path.name} ignored: {err}")
+            self._refuse(None, None, f"ignored: {err}", key=digest)
             return None
         revision, changes = request["revision"], request["changes"]
         if revision <= self.revision:
             applied = next((h["changes"] for h in self.history if h["revision"] == revision), None)
             if applied != changes:
-                self._warn_once(digest, f"{path.name} ignored: revision {revision} is not above the last applied "
-                                        f"revision {self.revision}; raise 'revision' to apply it")
+                self._refuse(revision, changes, f"ignored: it is not above the last applied revision "
+                                                f"{self.revision}; raise 'revision' to apply it", key=digest)
             return None
-        problem = self._unsupported(changes)
+        problem = self._problem(changes, self._lr_factor(changes))
         if problem:
-            self._warn_once(digest, f"{path.name} revision {revision} ignored: {problem}")
+            self._refuse(revision, changes, f"ignored: {problem}", key=digest)
             return None
         return request
 
-    def _unsupported(self, changes: dict) -> str | None:
+    def _lr_factor(self, changes: dict) -> float | None:
+        if "lr" not in changes:
+            return None
+        current = self.trainer.optimizer.param_groups[0]["lr"]
+        return changes["lr"] / current if current > 0 and math.isfinite(current) else None
+
+    def _problem(self, changes: dict, lr_scale: float | None, replay: bool = False) -> str | None:
+        """Why ``changes`` (with the lr factor it would apply) cannot be applied now, or None."""
         trainer = self.trainer
-        if "lr" in changes:
+        try:
+            check_changes(changes)
+        except ControlFileError as err:
+            return str(err)
+        if "lr" in changes and (lr_scale is not None or not replay):
             scheduler = getattr(trainer, "scheduler", None)
-            if not isinstance(scheduler, REBASABLE):
-                return f"'lr' needs one of pimm's closed-form schedulers, not {type(scheduler).__name__}"
-            if trainer.optimizer.param_groups[0]["lr"] <= 0:
-                return "'lr' cannot rebase a schedule whose lr is 0 at this step"
+            if not isinstance(scheduler, _GroupStateMixin):
+                return f"'lr' needs one of pimm's schedulers, not {type(scheduler).__name__}"
+            if lr_scale is None:
+                return "'lr' cannot scale a schedule whose lr is 0 at this step; try again at a later step"
+            scale = scheduler.lr_scale * lr_scale if isinstance(lr_scale, (int, float)) else math.nan
+            if not (math.isfinite(scale) and MIN_LR_SCALE <= scale <= MAX_LR_SCALE):
+                return (f"'lr' {changes['lr']:g} would scale the configured schedule by {scale:g}, outside "
+                        f"[{MIN_LR_SCALE:g}, {MAX_LR_SCALE:g}]")
         if "eval_every_n_steps" in changes and not getattr(trainer, "evaluators", None):
             return "'eval_every_n_steps' needs an evaluator hook, and this run has none"
         if "log_frequency" in changes and not self._writers():
@@ -258,11 +264,12 @@ class LiveControl(HookBase):
         return None
 
     def _recorded_after_checkpoint(self) -> list[dict]:
-        """This run's audit records of revisions the restored state lacks, by step."""
+        """This run's audit records of revisions the restored state lacks, by step (refused ones never)."""
         records = {}
         for record in read_jsonl(self.audit_path):
-            if (isinstance(record, dict) and record.get("run") == self.lineage and _is_int(record.get("revision"))
-                    and record["revision"] > self.revision and _is_int(record.get("step"))):
+            if (isinstance(record, dict) and record.get("run") == self.lineage and not record.get("refused")
+                    and _is_int(record.get("revision")) and record["revision"] > self.revision
+                    and _is_int(record.get("step")) and isinstance(record.get("changes"), dict)):
                 records.setdefault(record["revision"], record)
         return sorted(records.values(), key=lambda r: (r["step"], r["revision"]))
 
@@ -279,8 +286,8 @@ class LiveControl(HookBase):
 
     def _apply_settings(self, changes: dict, lr_scale: float | None) -> None:
         trainer = self.trainer
-        if "lr" in changes:
-            rebase_lr(trainer.optimizer, trainer.scheduler, lr_scale)
+        if "lr" in changes and lr_scale is not None:
+            scale_lr(trainer.optimizer, trainer.scheduler, lr_scale)
         if "eval_every_n_steps" in changes:
             for evaluator in trainer.evaluators:
                 evaluator.every_n_steps = changes["eval_every_n_steps"]
@@ -294,14 +301,18 @@ class LiveControl(HookBase):
         before = self._settings()
         previous = {key: before[key] for key in SETTINGS if key in changes}
         lr_scale = request.get("lr_scale")  # a replayed record carries the factor it was first applied with
-        if "lr" in changes and lr_scale is None:
-            lr_scale = changes["lr"] / before["lr"]
-        if comm.is_main_process():  # recorded before it takes effect: a kill after this point cannot lose it
-            append_jsonl(self.audit_path, {
-                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "step": step, "revision": revision, "changes": changes, "previous": previous,
-                "lr_scale": lr_scale, "run": self.lineage, **({"replayed": True} if replayed else {}),
-            })
+        if "lr" in changes and lr_scale is None and not replayed:
+            lr_scale = self._lr_factor(changes)
+        # Checked again on every rank (rank 0 checked the file; a replayed record was never checked by
+        # this version): the same state gives the same answer everywhere.
+        problem = self._problem(changes, lr_scale) if "lr" in changes or replayed else None
+        if problem:
+            self._refuse(revision, changes, f"{'recorded change ' if replayed else ''}ignored: {problem}",
+                         replayed=replayed)
+            return
+        # Recorded before it takes effect: a kill after this point cannot lose it.
+        self._audit({"revision": revision, "changes": changes, "previous": previous, "lr_scale": lr_scale,
+                     **({"replayed": True} if replayed else {})})
         self._apply_settings(changes, lr_scale)
         self.revision = revision
         self.history.append({"step": step, "revision": revision, "changes": changes, "lr_scale": lr_scale})
@@ -321,7 +332,7 @@ class LiveControl(HookBase):
     def _report(self, step, revision, changes, previous, after, lr_scale, replayed) -> None:
         parts = []
         if "lr" in changes:
-            parts.append(f"lr {previous['lr']:.3e} -> {after['lr']:.3e} (schedule rebased x{lr_scale:.4g})")
+            parts.append(f"lr {previous['lr']:.3e} -> {after['lr']:.3e} (schedule scaled x{lr_scale:.4g})")
         for key in ("eval_every_n_steps", "log_frequency"):
             if key in changes:
                 parts.append(f"{key} {previous[key]} -> {changes[key]}")

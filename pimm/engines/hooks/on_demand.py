@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import signal as signal_module
 
+from pimm.engines.control import STANDARD_PREEMPT
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils import comm
@@ -101,7 +102,7 @@ class OnDemandValidation(HookBase):
         self._installed = False
 
     def modify_config(self, cfg) -> None:
-        if self.signal_name in (cfg.get("preempt_signals") or ()):
+        if self.signal_name in (*STANDARD_PREEMPT, *(cfg.get("preempt_signals") or ())):
             raise ConfigError(f"OnDemandValidation signal {self.signal_name} is also in preempt_signals; a signal "
                               "either pre-empts or evaluates: choose another one (e.g. 'SIGUSR1')")
         self._install()

@@ -42,6 +42,7 @@ before the rest; their files are checksummed into the same manifest.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ import torch
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
+from pimm.utils.run_lock import check_held
 
 __all__ = ["CheckpointManager", "Retention", "atomic_torch_save", "LoadedCheckpoint", "checkpoint_name"]
 
@@ -87,34 +89,67 @@ class _ChecksummingFile:
 
     def __init__(self, fh):
         self.fh, self.crc, self.size = fh, 0, 0
+        self.error: OSError | None = None  # the OS error of a failed write (torch.save may hide it)
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
-        return self.fh.write(data)
+        try:
+            return self.fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
-        self.fh.flush()
+        try:
+            self.fh.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
 
 def _save_synced(obj: Any, path: Path) -> dict:
-    with open(path, "wb") as fh:
-        out = _ChecksummingFile(fh)
-        torch.save(obj, out)
-        fh.flush()
-        os.fsync(fh.fileno())
-        return {"size": out.size, "crc32": out.crc}
+    out = None
+    try:
+        with open(path, "wb") as fh:
+            out = _ChecksummingFile(fh)
+            torch.save(obj, out)
+            fh.flush()
+            os.fsync(fh.fileno())
+            return {"size": out.size, "crc32": out.crc}
+    except Exception as err:
+        raise _naming(path, err, out.error if out is not None else None) from err
+
+
+def _naming(path: Path, err: BaseException, seen: OSError | None = None) -> BaseException:
+    """The OS error behind a failed write, naming ``path``: torch.save reports a
+    full disk as ``RuntimeError: ... unexpected pos``, and a failed write() or
+    flush() names no file. Anything else is returned as it is."""
+    cause = seen or (err if isinstance(err, OSError) else None)
+    if cause is None and isinstance(err, RuntimeError):
+        try:
+            stats = os.statvfs(path.parent)
+            if stats.f_bavail == 0:
+                cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            pass
+    if cause is None or cause.errno is None:
+        return err
+    return OSError(cause.errno, cause.strerror or os.strerror(cause.errno), str(path))
 
 
 def _write_json_synced(obj: Any, path: Path) -> None:
     """Write, fsync, then rename into place: a reader polling for ``path`` (rank
     0 waiting for another rank's done-marker) never sees it half-written."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise _naming(path, err) from err
 
 
 def _frozen(obj: Any) -> Any:
@@ -352,6 +387,7 @@ class CheckpointManager:
                                         if p.is_file() and p.relative_to(tmp).as_posix() not in files]))
         _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
         _fsync_dir(tmp)
+        check_held(self.directory)  # never commit into a directory another run took over (exit 2)
         os.replace(tmp, final)
         _fsync_dir(self.directory)
         self.apply_retention()

@@ -14,6 +14,7 @@ import torch
 
 from pimm.engines.data import train_sampler
 from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
+from pimm.engines.state.weights import strip_wrapper_prefixes
 from pimm.utils.errors import CheckpointError
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 
@@ -48,6 +49,9 @@ class ModelParticipant:
         return self.model.state_dict()
 
     def restore(self, state: dict, context) -> None:
+        # pimm saves the plain module; a file written through a compiled or DDP
+        # wrapper by other code still fits.
+        state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
         own = self.model.state_dict()
         check_model_fits(self.model, {k: tuple(v.shape) for k, v in own.items()},
                          {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in state.items()}, context)

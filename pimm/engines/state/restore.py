@@ -8,7 +8,9 @@ What wins when the config changed between the runs (the rule, also in
 docs/checkpoints.md):
 
 * the checkpoint wins for **state**: weights, optimizer moments and step
-  counts, the schedule's progress, the position in training and in the data,
+  counts, the schedule's progress and its lr scale (``scale_lr``: a hook's
+  or LiveControl's lr decision, never reported as a config change), the
+  position in training and in the data,
   RNG streams, hook states, the best metric;
 * the config wins for **hyperparameters**: each param group's lr, weight
   decay, betas, momentum, ...; the schedule's parameters (its length after

@@ -25,7 +25,17 @@ import torch
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["load_weights", "read_weights"]
+__all__ = ["load_weights", "read_weights", "strip_wrapper_prefixes"]
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_wrapper_prefixes(key: str) -> str:
+    """``key`` without the leading prefixes DDP (``module.``) and
+    ``torch.compile`` (``_orig_mod.``) add to a wrapped model's keys, in any order."""
+    while key.startswith(_WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
 
 
 def read_weights(path: str | Path) -> dict:
@@ -60,13 +70,14 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
     ``{"loaded", "missing", "unexpected", "mismatched"}``.
 
     ``key_map`` is a list of ``(old_prefix, new_prefix)`` pairs applied to the
-    file's keys (a ``module.`` prefix is always stripped). ``strict`` with
-    ``allow_unexpected=False`` also refuses file tensors the model has no
-    place for (``CheckpointLoader(strict=True)``: every tensor used)."""
+    file's keys (the ``module.`` prefix of DDP and the ``_orig_mod.`` prefix
+    of a ``torch.compile`` wrapper, as saved by other tools, are always stripped).
+    ``strict`` with ``allow_unexpected=False`` also refuses file tensors the
+    model has no place for (``CheckpointLoader(strict=True)``: every tensor used)."""
     path = Path(path)
     renamed = {}
     for key, tensor in read_weights(path).items():
-        key = key.removeprefix("module.")
+        key = strip_wrapper_prefixes(key)
         for old, new in key_map:
             if key.startswith(old):
                 key = new + key[len(old):]

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset, default_collate
 
 from pimm.engines import data as data_lib
+from pimm.engines.compile import compile_model
 from pimm.engines.grad_checkpoint import apply_gradient_checkpointing
 from pimm.engines.optim import build_optimizer
 from pimm.engines.parallel import shard_model
@@ -45,14 +46,18 @@ class ComponentBuilders:
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module the loss is computed through: DDP when distributed, or the
-        model itself sharded in place under ``parallel.strategy='fsdp'``."""
+        model itself sharded in place under ``parallel.strategy='fsdp'``;
+        wrapped by ``torch.compile`` when the ``compile`` key enables it."""
         if self.world_size == 1:
-            return model
-        if self.parallel.fsdp:
-            return shard_model(model, self.parallel, self.device, self.world_size, self.logger)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
-            self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))
+            wrapped = model
+        elif self.parallel.fsdp:
+            wrapped = shard_model(model, self.parallel, self.device, self.world_size, self.logger)
+        else:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
+                self.options["find_unused_parameters"] or self.cfg.find_unused_parameters))
+        # Compiled outermost; the model itself (checkpoints, EMA) stays the plain module.
+        return compile_model(wrapped, self.cfg.get("compile"), type(model).__name__, self.logger)
 
     @property
     def num_workers_per_rank(self) -> int:

@@ -23,7 +23,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
 from pimm.engines.optim_step import OptimStep
-from pimm.engines.parallel import full_parameters, full_state_dict, is_sharded, parallel_config
+from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.runtime import apply_process_settings, validate_runtime
@@ -117,6 +117,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         if not self.parallel.fsdp:
             self.track("model", ModelParticipant(self.model_without_ddp))
         elif self.world_size == 1:
+            check_shard_modules(self.model_without_ddp, self.parallel)  # as shard_model does on several
             self.logger.info("parallel.strategy='fsdp' with one process: the model is not sharded; checkpoints "
                              "keep the sharded (Distributed Checkpoint) format")
         self.model = self.wrap_model(self.model_without_ddp)
@@ -356,8 +357,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         try:
             with self.autocast():
                 output = self.model(batch)
-        except torch.OutOfMemoryError:
-            raise  # not a model/data mismatch: the batch does not fit (train.oom_backoff can split it)
+        except (torch.OutOfMemoryError, UserError):
+            raise  # not a model/data mismatch: the batch does not fit, or a named failure (compile)
         except Exception as err:
             self.logger.error("The model's first forward pass failed", exc_info=True, extra=FILE_ONLY)
             detail = str(err).splitlines()[0] if str(err) else ""

@@ -6,6 +6,7 @@ test split (``tools/test.py``, ``FinalEvaluator``)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import weakref
 
@@ -16,6 +17,7 @@ from pimm.engines.state import load_weights
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
+from pimm.utils.logger import fit_line
 
 __all__ = ["Evaluation"]
 
@@ -67,8 +69,8 @@ class Evaluation:
         self.metrics.publish(metrics)
         self.metrics.flush()
         self.writer.add_images(shown, self.global_step)
-        summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.logger.info(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s): {summary}")
+        self.logger.info(fit_line(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s):",
+                                  [f"{k} {v:.4f}" for k, v in metrics.items()]))
         for table in reports:
             if table:
                 self.logger.info(table)
@@ -120,6 +122,19 @@ class Evaluation:
             set_aside(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             label = str(weight) if weight is not None else f"the weights at step {self.global_step}"
-            path.write_text(json.dumps({"weight": label, "metrics": results}, indent=1))
+            # allow_nan=False: a NaN metric (an empty class) is null, never a bare NaN (invalid JSON).
+            path.write_text(json.dumps(_json_finite({"weight": label, "metrics": results}), indent=1,
+                                       allow_nan=False))
             self.logger.info(f"Wrote {path}")
         return results
+
+
+def _json_finite(value):
+    """``value`` with every non-finite float (at any depth) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_finite(v) for v in value]
+    return value

@@ -132,6 +132,35 @@ def _move(obj, device):
     return obj
 
 
+def _reward_health(trajectories: dict) -> tuple[float, float, float] | None:
+    """(finite rewards, groups, groups whose finite rewards differ), summed over
+    ranks; None when the rollout has no ``rewards`` / ``event_index``."""
+    rewards, groups = trajectories.get("rewards"), trajectories.get("event_index")
+    if not isinstance(rewards, torch.Tensor) or not isinstance(groups, torch.Tensor) or rewards.dim() != 1:
+        return None
+    rewards, groups = rewards.detach().double().cpu(), groups.detach().long().cpu()
+    finite = torch.isfinite(rewards)
+    spread = 0
+    if groups.numel():
+        _, groups = torch.unique(groups, return_inverse=True)
+        count = int(groups.max()) + 1
+        high = torch.full((count,), -math.inf, dtype=torch.float64).scatter_reduce(
+            0, groups[finite], rewards[finite], "amax")
+        low = torch.full((count,), math.inf, dtype=torch.float64).scatter_reduce(
+            0, groups[finite], rewards[finite], "amin")
+        spread = int((high > low).sum())
+        total = count
+    else:
+        total = 0
+    counts = torch.tensor([float(finite.sum()), float(total), float(spread)], dtype=torch.float64)
+    comm.all_reduce(counts, op="sum")
+    return counts[0].item(), counts[1].item(), counts[2].item()
+
+
+class DegenerateRewards(RuntimeError):
+    """Every reward of every rollout in a whole epoch was NaN: nothing to learn from (exit 1)."""
+
+
 class _RolloutCache:
     """The rollout being trained on and its updates' metrics so far; a per-rank
     checkpoint participant (a checkpoint may fall between two updates)."""
@@ -141,6 +170,8 @@ class _RolloutCache:
         self.rollout: dict | None = None
         self.batch: dict | None = None  # for hooks' input_dict only; not checkpointed
         self.history: list[dict[str, torch.Tensor]] = []
+        self.all_nan_run = 0  # rollouts in a row whose rewards were all NaN
+        self.useless_run = 0  # rollouts in a row with nothing to learn (all NaN, or no group with a spread)
 
     def start(self, rollout: dict, batch) -> None:
         self.rollout, self.batch, self.history = rollout, batch, []
@@ -163,11 +194,14 @@ class _RolloutCache:
         return summary
 
     def state_dict(self) -> dict:
-        return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu")}
+        return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu"),
+                "all_nan_run": self.all_nan_run, "useless_run": self.useless_run}
 
     def load_state_dict(self, state: dict) -> None:
         self.rollout = _move(state["rollout"], self.device)
         self.history = list(state["history"])
+        self.all_nan_run = int(state.get("all_nan_run", 0))  # absent from checkpoints before round 3
+        self.useless_run = int(state.get("useless_run", 0))
         self.batch = None
 
 
@@ -223,6 +257,9 @@ class GRPOTrainer(DefaultTrainer):
     sample_in_eval_mode: put the model in eval mode while sampling rollouts.
     torch_threads: ``torch.set_num_threads`` for this process; None leaves torch's default.
         Small policies run fastest on one thread (more threads only contend).
+    reward_warn_after: warn after this many rollouts in a row with nothing to
+        learn from (every reward NaN, or no group whose rewards differ). Every
+        reward NaN for a whole epoch stops the run (exit 1) naming the cause.
 
     ``iters_per_epoch`` (iterable data) counts rollouts; an epoch has
     ``rollouts x policy_updates_per_rollout`` steps. ``grad_accum_steps`` must be 1:
@@ -230,8 +267,9 @@ class GRPOTrainer(DefaultTrainer):
     """
 
     def __init__(self, cfg, policy_updates_per_rollout=1, trajectory_microbatch_size=None, sample_in_eval_mode=True,
-                 torch_threads=None, **options):
+                 torch_threads=None, reward_warn_after=10, **options):
         self.updates_per_rollout = _positive_int("policy_updates_per_rollout", policy_updates_per_rollout)
+        self.reward_warn_after = _positive_int("reward_warn_after", reward_warn_after)
         self.trajectory_microbatch_size = _positive_int("trajectory_microbatch_size", trajectory_microbatch_size,
                                                         allow_none=True)
         if not isinstance(sample_in_eval_mode, bool):
@@ -263,6 +301,8 @@ class GRPOTrainer(DefaultTrainer):
     loader_participant = _RolloutLoaderParticipant
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        if (self.cfg.get("compile") or {}).get("enabled"):  # rollouts call methods torch.compile does not wrap
+            raise ConfigError("compile: GRPOTrainer does not support torch.compile yet; set compile=dict(enabled=False)")
         self._loss_module = _PolicyLoss(model)
         if self.world_size == 1:
             return model
@@ -291,6 +331,30 @@ class GRPOTrainer(DefaultTrainer):
         rollout["totals"] = _global_totals(rollout["trajectories"]["action_mask"])
         return rollout
 
+    def _watch_rewards(self, cache: "_RolloutCache") -> None:
+        """Warn after ``reward_warn_after`` rollouts in a row with nothing to
+        learn from (every reward NaN, or no group whose rewards differ: every
+        advantage 0); stop (exit 1) once every rollout of a whole epoch had only
+        NaN rewards."""
+        health = _reward_health(cache.rollout["trajectories"])
+        if health is None:
+            return
+        finite, groups, spread = health
+        cache.all_nan_run = cache.all_nan_run + 1 if finite == 0 else 0
+        cache.useless_run = cache.useless_run + 1 if finite == 0 or spread == 0 else 0
+        rollouts_per_epoch = max(1, self.iters_per_epoch // self.updates_per_rollout)
+        if cache.all_nan_run >= rollouts_per_epoch:
+            raise DegenerateRewards(
+                f"GRPO: every reward was NaN in the last {cache.all_nan_run} rollouts (a whole epoch, up to step "
+                f"{self.global_step}): {type(self.model_without_ddp).__name__} cannot score its trajectories, so "
+                "every advantage is 0 and nothing is learnt; fix the reward")
+        if cache.useless_run == self.reward_warn_after:
+            what = "every reward was NaN" if cache.all_nan_run >= cache.useless_run else \
+                "no group of trajectories had rewards that differ (every advantage 0)"
+            self.logger.warning(f"GRPO: {what} in the last {cache.useless_run} rollouts (step {self.global_step}); "
+                                "the policy learns nothing from such rollouts: check the reward, or raise "
+                                "num_generations / the sampling temperature")
+
     def _policy_loss(self, micro_batch: dict, update_index: int) -> dict:
         call = self.model if self.model is not self.model_without_ddp else self._loss_module
         return call(micro_batch, update_index=update_index, policy_updates_per_rollout=self.updates_per_rollout)
@@ -315,6 +379,7 @@ class GRPOTrainer(DefaultTrainer):
             t = tracer.now()
             cache.start(self._sample_rollout(batch), batch)
             tracer.complete("rollout", t)
+            self._watch_rewards(cache)
             self.train_state.samples_seen += self.batch_size_per_rank * self.world_size
         t = tracer.now()
         micro_batches = split_rollout(cache.rollout, self.trajectory_microbatch_size)

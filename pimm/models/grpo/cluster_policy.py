@@ -137,6 +137,9 @@ class ClusterRadiusPolicy(PointGroupLite):
         grpo: options of :class:`~pimm.models.grpo.objective.GRPOObjective`.
     """
 
+    # ``model.grpo.<key>`` options are checked against the objective (pimm.utils.config_slots).
+    config_sections = {"grpo": GRPOObjective}
+
     def __init__(self, radius_scales: Sequence[float] = (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0),
                  radius_kinds: Sequence[str] = RADIUS_KINDS, num_generations: int = 8, hidden: int = 64,
                  keep_bias: float = 1.0, use_event_features: bool = True, require_weights: bool = True,

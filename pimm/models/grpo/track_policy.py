@@ -114,6 +114,9 @@ class TrackProposalPolicy(nn.Module):
         grpo: options of :class:`~pimm.models.grpo.objective.GRPOObjective`.
     """
 
+    # ``model.grpo.<key>`` options are checked against the objective (pimm.utils.config_slots).
+    config_sections = {"grpo": GRPOObjective}
+
     def __init__(self, num_direction_bins: int = 24, num_classes: int = 2, max_proposals: int = 4,
                  num_generations: int = 8, angle_tolerance_deg: float = 10.0, hidden: int = 32,
                  dedx_scale: float = 5.0, stop_bias: float = 2.5, grpo: dict | None = None):
