@@ -8,8 +8,11 @@ epoch = 1  # absolute horizon: raising it and resuming extends a finished run
 batch_size = 16  # global, split evenly across processes
 batch_size_val = None  # global; None = batch_size
 num_worker = 0  # global data-loading workers, split across processes
-resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable
+resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; a checkpoint folder's path: continue from that one
+validate_on_resume = False  # a resumed run evaluates its weights (val/* at the resumed step) before training continues
+scheduler_interval = 1  # optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)
 weight = None  # warm-start weights (a .pth file)
+weight_key_map = None  # warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys
 evaluate = True  # run the evaluator hooks
 enable_amp = False  # mixed precision (autocast)
 amp_dtype = 'bfloat16'  # 'float16' needs CUDA (uses a GradScaler)
@@ -19,6 +22,15 @@ log_grad_norm = False  # log train/grad_norm every step (always logged when clip
 gradient_checkpointing = None  # recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])
 use_wandb = False  # W&B run (WANDB_MODE=offline works without network)
 wandb_project = 'pimm'  # W&B project
+wandb_entity = None  # W&B team or user (None: your default entity)
+wandb_run_name = None  # W&B run name (None: the save_path folder's name)
+wandb_group = None  # W&B run group
+wandb_job_type = None  # W&B job type
+wandb_tags = None  # W&B run tags, e.g. ['baseline']
+wandb_run_id = None  # W&B run id (None: drawn at the start and kept in checkpoints, so a resume continues the same run)
+wandb_resume = None  # W&B resume mode: 'allow' (None), 'must', 'never' or 'auto'
+launch_command = None  # the command that launched the job, shown as the W&B run's notes
+log_step_offset = 0  # added to every step sent to W&B (metrics.jsonl and TensorBoard keep the run's own steps)
 enable_tensorboard = True  # TensorBoard event files under save_path/tensorboard
 preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal
 param_dicts = None  # per-parameter-group options, see docs/engine.md
@@ -27,6 +39,7 @@ batch_size_test = None  # global; None = batch_size_val, else batch_size
 eval_epoch = None  # evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)
 test_only = False  # tools/train.py scores `weight` on data.test instead of training
 test = None  # a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)
+iters_per_epoch = None  # steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes // batch per process
 mix_prob = 0.0  # probability that the train collate mixes pairs of events
 matmul_precision = None  # torch.set_float32_matmul_precision (None: leave torch's)
 deterministic = False  # deterministic algorithms (and no TF32, cuDNN benchmarking off)
@@ -48,5 +61,7 @@ hooks = [
     dict(type='IterationTimer', warmup_iter=2),
     dict(type='InformationWriter', log_frequency=20),
     dict(type='ProgressBar'),
+    dict(type='LiveControl'),
+    dict(type='OnDemandValidation'),
     dict(type='CheckpointSaver', save_freq=None, keep_last=2),
 ]

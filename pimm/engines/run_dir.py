@@ -78,7 +78,10 @@ def write_config(cfg) -> Path:
             earlier = Config.fromfile(str(path))
         except UserError:
             earlier = {}
-        if {k: v for k, v in earlier.items() if k != "resume"} == {k: v for k, v in cfg.items() if k != "resume"}:
+        # A resume (or a run directory that was moved) is the same run: only
+        # another config sets the earlier record aside.
+        local = ("resume", "save_path")
+        if {k: v for k, v in earlier.items() if k not in local} == {k: v for k, v in cfg.items() if k not in local}:
             cfg.dump(str(path))
             return path
         set_aside(path)
@@ -145,6 +148,7 @@ class AttemptRecord:
         append_jsonl(self.path, record)
 
     def start(self) -> dict:
+        """Append the attempt's start record (versions, git state, world size) and return it."""
         import pimm
 
         self.start_time = time.time()
@@ -161,6 +165,7 @@ class AttemptRecord:
         return record
 
     def end(self, exit_reason: str, exit_code: int) -> None:
+        """Append the attempt's end record (reason, exit code, duration)."""
         if self.start_time is None:
             return
         now = time.time()
@@ -169,6 +174,7 @@ class AttemptRecord:
                       "exit_code": exit_code})
 
     def summary(self, record: dict) -> str:
+        """One log line describing the start ``record``."""
         git = record.get("git") or {}
         commit = f"{git['commit'][:10]}{' (dirty ' + git['diff_sha256'] + ')' if git.get('dirty') else ''}" \
             if git else "not a git checkout"

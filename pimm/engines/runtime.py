@@ -23,7 +23,9 @@ from typing import Any, Callable
 
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
+from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.errors import ConfigError
+from pimm.utils.extras import require
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
            "render_default_runtime", "check_required", "apply_process_settings"]
@@ -33,6 +35,10 @@ DEFAULT_HOOKS = [
     dict(type="IterationTimer", warmup_iter=2),
     dict(type="InformationWriter", log_frequency=20),
     dict(type="ProgressBar"),
+    # Idle until used (a file check every few seconds, a signal handler): edit
+    # save_path/control.json, or `kill -USR1 <pid>` to evaluate now.
+    dict(type="LiveControl"),
+    dict(type="OnDemandValidation"),
     dict(type="CheckpointSaver", save_freq=None, keep_last=2),
 ]
 
@@ -71,12 +77,6 @@ def _choice(*choices):
     return check
 
 
-def _str(key, value):
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}={value!r} is invalid: it takes a non-empty string")
-    return value
-
-
 def _path(allow_none: bool = False, must_exist: bool = False):
     def check(key, value):
         if value is None and allow_none:
@@ -93,8 +93,15 @@ def _path(allow_none: bool = False, must_exist: bool = False):
 def _resume(key, value):
     if value is True or value is False or value == "allow_fresh":
         return value
-    raise ConfigError(f"{key}={value!r} is invalid: it takes True, False or 'allow_fresh' "
-                      "(resume, or start fresh when no usable checkpoint exists)")
+    if isinstance(value, (str, os.PathLike)) and str(value) and str(value) not in ("True", "False", "true", "false"):
+        path = Path(os.path.expanduser(str(value)))
+        if not path.exists():
+            raise ConfigError(f"{key}={str(value)!r} is invalid: it takes True, False, 'allow_fresh' or the path of "
+                              "a checkpoint folder (e.g. <save_path>/checkpoints/step000000100-epoch0001), and there "
+                              "is no such checkpoint")
+        return str(path)
+    raise ConfigError(f"{key}={value!r} is invalid: it takes True, False, 'allow_fresh' (resume, or start fresh "
+                      "when no usable checkpoint exists) or the path of a checkpoint folder to resume from")
 
 
 def _seed(key, value):
@@ -127,6 +134,19 @@ def _patterns_or_none(key, value):
         raise ConfigError(f"{key}={value!r} is invalid: it takes a list of module-name patterns like "
                           "['backbone.enc*'] or None")
     return list(value)
+
+
+def _key_map(key, value):
+    if value is None:
+        return value
+    try:
+        pairs = [(old, new) for old, new in value]
+    except (TypeError, ValueError):
+        pairs = None
+    if pairs is None or not all(isinstance(part, str) for pair in pairs for part in pair):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a list of [old_prefix, new_prefix] pairs, "
+                          "e.g. [['module.', '']], or None")
+    return [list(pair) for pair in pairs]
 
 
 def _hooks(key, value):
@@ -188,8 +208,15 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("batch_size_val", None, _int(1, allow_none=True), "global; None = batch_size"),
     RuntimeKey("num_worker", 0, _int(0), "global data-loading workers, split across processes"),
     RuntimeKey("resume", False, _resume,
-               "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable"),
+               "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; "
+               "a checkpoint folder's path: continue from that one"),
+    RuntimeKey("validate_on_resume", False, _bool,
+               "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
+    RuntimeKey("scheduler_interval", 1, _int(1),
+               "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
     RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
+    RuntimeKey("weight_key_map", None, _key_map,
+               "warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
     RuntimeKey("enable_amp", False, _bool, "mixed precision (autocast)"),
     RuntimeKey("amp_dtype", "bfloat16", _choice("bfloat16", "float16"), "'float16' needs CUDA (uses a GradScaler)"),
@@ -199,7 +226,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("gradient_checkpointing", None, _patterns_or_none,
                "recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])"),
     RuntimeKey("use_wandb", False, _bool, "W&B run (WANDB_MODE=offline works without network)"),
-    RuntimeKey("wandb_project", "pimm", _str, "W&B project"),
+    *(RuntimeKey(name, default, check, doc) for name, default, check, doc in WANDB_KEYS),
     RuntimeKey("enable_tensorboard", True, _bool, "TensorBoard event files under save_path/tensorboard"),
     RuntimeKey("preempt_signals", ["SIGTERM"], _signals,
                "signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal"),
@@ -211,6 +238,9 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("test_only", False, _bool, "tools/train.py scores `weight` on data.test instead of training"),
     RuntimeKey("test", None, _dict_or_none,
                "a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)"),
+    RuntimeKey("iters_per_epoch", None, _int(1, allow_none=True),
+               "steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes "
+               "// batch per process"),
     RuntimeKey("mix_prob", 0.0, _unit_interval, "probability that the train collate mixes pairs of events"),
     RuntimeKey("matmul_precision", None, _choice_or_none("highest", "high", "medium"),
                "torch.set_float32_matmul_precision (None: leave torch's)"),
@@ -249,6 +279,7 @@ def apply_runtime_defaults(cfg) -> None:
 
 def validate_runtime(cfg, world_size: int) -> None:
     """Check every runtime key's type and range; normalise paths (``~``)."""
+    check_wandb_keys(cfg)
     for key in RUNTIME_KEYS:
         cfg[key.name] = key.check(key.name, cfg.get(key.name))
     if cfg.batch_size % world_size:
@@ -262,6 +293,8 @@ def validate_runtime(cfg, world_size: int) -> None:
     if cfg.eval_epoch is not None and (cfg.eval_epoch > cfg.epoch or cfg.epoch % cfg.eval_epoch):
         raise ConfigError(f"eval_epoch={cfg.eval_epoch} must divide epoch={cfg.epoch}: the run evaluates every "
                           "epoch // eval_epoch epochs")
+    if cfg.use_wandb:
+        require("wandb", "wandb", "use_wandb=True")
     save_path = Path(cfg.save_path)
     if save_path.exists() and not save_path.is_dir():
         raise ConfigError(f"save_path={cfg.save_path!r} is a file, not a directory: choose another save_path")

@@ -12,7 +12,9 @@ with a metadata record, so any file can be read alone. One JSON object per line:
 * ``{"ph": "i", "name", "rank", "step", "epoch", "ts", "args"}``: an instant
 * ``{"ph": "C", "name", "rank", "step", "epoch", "ts", "args": {name: number}}``: a counter
 
-``ts`` is Unix time in seconds (start of the span), ``dur`` seconds; ``step``
+``ts`` is Unix time in seconds (start of the span, a whole microsecond),
+``dur`` seconds from that microsecond (so the end, too, is exact to the
+microsecond and spans nest exactly; the export relies on it); ``step``
 is the global optimizer step the record belongs to (0 before training),
 ``epoch`` is 1-based (0 before training).
 
@@ -100,31 +102,34 @@ class NullTracer:
     now = staticmethod(float)
 
     def complete(self, name, t0, args=None, thread=None):
+        """Does nothing (:meth:`Tracer.complete` when tracing is on)."""
         return 0.0
 
     def span(self, name, **args):
+        """Does nothing (:meth:`Tracer.span` when tracing is on)."""
         return _NULL_SPAN
 
     def long_span(self, name, **args):
+        """Does nothing (:meth:`Tracer.long_span` when tracing is on)."""
         return _NULL_SPAN
 
     def begin(self, name, **args):
-        pass
+        """Does nothing (:meth:`Tracer.begin` when tracing is on)."""
 
     def end(self, name, **args):
-        pass
+        """Does nothing (:meth:`Tracer.end` when tracing is on)."""
 
     def instant(self, name, **args):
-        pass
+        """Does nothing (:meth:`Tracer.instant` when tracing is on)."""
 
     def counter(self, name, **values):
-        pass
+        """Does nothing (:meth:`Tracer.counter` when tracing is on)."""
 
     def flush(self):
-        pass
+        """Does nothing (:meth:`Tracer.flush` when tracing is on)."""
 
     def close(self):
-        pass
+        """Does nothing (:meth:`Tracer.close` when tracing is on)."""
 
 
 class _NullSpan:
@@ -365,9 +370,13 @@ class Tracer:
                 epoch = _int_text(epoch)
             if type(t0) is not int:
                 t0, dur = int(t0), None if dur is None else int(dur)
-            line = f'{{"ph":"{ph}",{head}{step},"epoch":{epoch},"ts":{(t0 + offset_ns) // 1000}e-6'
+            start = t0 + offset_ns
+            line = f'{{"ph":"{ph}",{head}{step},"epoch":{epoch},"ts":{start // 1000}e-6'
             if dur is not None:
-                line += f',"dur":{dur}e-9'
+                # Measured from the whole microsecond ``ts`` names, so that the
+                # end is exact in whole microseconds too: spans floored at both
+                # ends nest exactly as they ran (a few hundred ns at most added).
+                line += f',"dur":{dur + start % 1000}e-9'
             if thread is not None:
                 line += f',"thread":{json.dumps(str(thread))}'
             if args:

@@ -1,7 +1,9 @@
 """Checkpoint hooks: CheckpointSaver decides *when* to save and which
-checkpoints to keep; CheckpointLoader carries the warm-start options. The
-trainer does the saving and restoring itself (``trainer.save_checkpoint()``,
-and the restore before ``before_train``)."""
+checkpoints to keep, and configures the trainer's checkpoint manager
+(``trainer.checkpointer``) with that policy itself; CheckpointLoader carries
+the warm-start key map into the config (``weight_key_map``). The trainer does
+the saving and restoring (``trainer.save_checkpoint()``, and the restore
+before ``before_train``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.engines.state.manager import Retention
 from pimm.utils import comm
+from pimm.utils.errors import ConfigError
 
 __all__ = ["CheckpointSaver", "CheckpointLoader"]
 
@@ -23,6 +26,10 @@ def _positive(name: str, value, allow_none: bool = True, integer: bool = False):
         what = "a positive integer" if integer else "a positive number"
         raise ValueError(f"{name} must be {what}{' or None' if allow_none else ''}, got {value!r}")
     return value
+
+
+# keep=...: (keep_last, keep_best, keep_all)
+_NAMED_POLICIES = {"best": (1, True, False), "last": (1, False, False), "all": (1, False, True)}
 
 
 @HOOKS.register_module()
@@ -39,7 +46,10 @@ class CheckpointSaver(HookBase):
     * ``keep_every``: plus every one whose step is a multiple of K, forever;
     * ``keep_all``: every one.
 
-    "Best only" is ``keep_last=1, keep_best=True``.
+    * ``keep``: a named policy instead of the above: ``"best"`` keeps the
+      best checkpoint and the newest one (resume needs the newest; the two
+      are one when the newest is the best), i.e. ``keep_last=1,
+      keep_best=True``; ``"last"`` only the newest; ``"all"`` every one.
 
     ``async_write``: the training thread only copies the state; a background
     writer writes and commits it (one at a time; the end of training and a
@@ -50,7 +60,14 @@ class CheckpointSaver(HookBase):
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
-                 time_check_every: int = 10, async_write: bool = True):
+                 time_check_every: int = 10, async_write: bool = True, keep: str | None = None):
+        if keep is not None:
+            if keep not in _NAMED_POLICIES:
+                raise ValueError(f"keep must be one of {', '.join(map(repr, _NAMED_POLICIES))} or None, got {keep!r}")
+            if keep_all or keep_every is not None:
+                raise ValueError(f"keep={keep!r} is a whole retention policy: drop keep_all / keep_every")
+            keep_last, keep_best, keep_all = _NAMED_POLICIES[keep]
+        self.keep = keep
         self.save_freq = _positive("save_freq", save_freq, integer=True)
         self.save_every_seconds = _positive("save_every_seconds", save_every_seconds)
         for name, flag in (("keep_best", keep_best), ("keep_all", keep_all), ("async_write", async_write)):
@@ -66,13 +83,21 @@ class CheckpointSaver(HookBase):
         self.async_write = async_write
         self._last_save = time.monotonic()
 
-    @property
-    def checkpoint_interval(self) -> int | None:
-        """Steps between planned saves; the trainer aligns loader snapshots to it."""
-        return self.save_freq
-
     def before_train(self):
+        """Hand the retention policy and write mode to the checkpoint manager, align
+        the data loader's snapshots to ``save_freq``; on resume, prune leftovers of
+        an earlier policy (rank 0)."""
+        trainer = self.trainer
+        checkpointer = trainer.checkpointer
+        checkpointer.retention = self.retention
+        checkpointer.async_write = self.async_write
+        trainer.align_data_snapshots(self.save_freq)
+        if trainer.global_step > 0 and comm.is_main_process():  # resumed: leftovers follow this policy
+            checkpointer.apply_retention()
         self._last_save = time.monotonic()
+        if self.keep == "best" and self.trainer.metrics.best.name is None:
+            self.trainer.logger.warning("CheckpointSaver(keep='best'): no evaluator declares a metric to rank "
+                                        "checkpoints by, so only the newest checkpoint is kept")
 
     def _time_due(self) -> bool:
         if not self.save_every_seconds or self.trainer.global_step % self.time_check_every:
@@ -80,6 +105,7 @@ class CheckpointSaver(HookBase):
         return comm.any_rank(time.monotonic() - self._last_save >= self.save_every_seconds)
 
     def after_step(self):
+        """Save every ``save_freq`` steps or ``save_every_seconds``."""
         trainer = self.trainer
         due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
         # At the last step of an epoch the epoch-end save follows immediately.
@@ -87,9 +113,11 @@ class CheckpointSaver(HookBase):
             self.save()
 
     def after_epoch(self):
+        """Save at every epoch end."""
         self.save()
 
     def save(self):
+        """Commit a checkpoint now (a collective: every rank calls it at the same step)."""
         self.trainer.save_checkpoint()
         self._last_save = time.monotonic()
 
@@ -97,14 +125,15 @@ class CheckpointSaver(HookBase):
 @HOOKS.register_module()
 class CheckpointLoader(HookBase):
     """Warm-start options for ``weight=PATH``: ``key_map=[(old_prefix, new_prefix), ...]``
-    renames the file's keys. Upstream's spelling works too: ``keywords=`` /
+    renames the file's keys. It is upstream's spelling of the runtime key
+    ``weight_key_map``, which this hook sets in ``modify_config``; the trainer
+    reads only the key. Upstream's other spelling works too: ``keywords=`` /
     ``replacement=`` (one rule) or ``replacements={old: new}`` (the longest
     matching prefix wins); ``strict=True`` then requires every model tensor
     from the file and no tensor left over. (``resume=True`` needs no hook: the
     trainer restores every participant before any hook runs.)"""
 
     priority = "VERY_HIGH"
-    restores_checkpoints = True
 
     def __init__(self, key_map=(), keywords="", replacement=None, replacements=None, strict=False):
         try:
@@ -122,3 +151,13 @@ class CheckpointLoader(HookBase):
         if not isinstance(strict, bool):
             raise ValueError(f"strict must be True or False, got {strict!r}")
         self.strict = strict
+
+    def modify_config(self, cfg) -> None:
+        """Put ``key_map`` into ``cfg.weight_key_map`` (a differing key already there is an error)."""
+        if not self.key_map:
+            return
+        current = cfg.get("weight_key_map")
+        if current and [tuple(pair) for pair in current] != self.key_map:
+            raise ConfigError(f"CheckpointLoader(key_map={self.key_map}) contradicts weight_key_map={current}: "
+                              "give the key map once (weight_key_map)")
+        cfg.weight_key_map = [list(pair) for pair in self.key_map]

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from pimm.engines.state.participants import as_participant
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
@@ -188,6 +189,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 
 def checkpoint_name(global_step: int, epoch: int) -> str:
+    """The folder name of the checkpoint of ``global_step`` in ``epoch``."""
     return f"step{global_step:09d}-epoch{epoch:04d}"
 
 
@@ -235,8 +237,9 @@ class LoadedCheckpoint:
 
 
 class CheckpointManager:
-    """Saves and restores named participants (anything with ``state_dict`` /
-    ``load_state_dict``). ``scope="shared"`` participants are replicated across
+    """Saves and restores named participants (the
+    :class:`~pimm.engines.state.participants.Participant` protocol, or anything
+    with ``state_dict`` / ``load_state_dict``). ``scope="shared"`` participants are replicated across
     ranks and written once, by rank 0; ``scope="rank"`` ones are written by
     every rank. Participants are restored in registration order."""
 
@@ -258,14 +261,18 @@ class CheckpointManager:
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
+        """Save ``participant`` under ``name``; a plain ``load_state_dict`` object is
+        adapted to the :class:`~pimm.engines.state.participants.Participant`
+        protocol here, once (sharded ones follow their own: ``restore_sharded``)."""
         scopes = {"shared": self._shared, "rank": self._per_rank, "sharded": self._sharded}
         if scope not in scopes:
             raise ValueError(f"scope must be 'shared', 'rank' or 'sharded', got {scope!r}")
         if name in self.participants():
             raise ValueError(f"checkpoint participant {name!r} is registered twice")
-        scopes[scope][name] = participant
+        scopes[scope][name] = participant if scope == "sharded" else as_participant(participant)
 
     def participants(self) -> dict[str, Any]:
+        """Every registered participant by name (sharded, shared, per rank)."""
         return {**self._sharded, **self._shared, **self._per_rank}
 
     @staticmethod
@@ -289,6 +296,7 @@ class CheckpointManager:
         return [path for path in self.step_folders() if (path / MANIFEST).is_file()]
 
     def has_checkpoints(self) -> bool:
+        """Whether any step folder exists (committed or not)."""
         return bool(self.step_folders())
 
     # -- saving ---------------------------------------------------------
@@ -462,6 +470,20 @@ class CheckpointManager:
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
         return LoadedCheckpoint(path, manifest, common, rank_state)
 
+    def load(self, path: str | Path) -> LoadedCheckpoint:
+        """The checkpoint folder ``path`` (anywhere), verified and read on every
+        rank; a :class:`CheckpointError` saying why when any rank cannot use it."""
+        rank = comm.get_rank()
+        try:
+            loaded, error = self._try_load(Path(path), rank), None
+        except Exception as err:  # a damaged file may fail in many ways
+            loaded, error = None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        if comm.any_rank(loaded is None):
+            raise CheckpointError(f"resume={str(path)!r} cannot be used: {error or 'unreadable on another rank'}; "
+                                  "nothing was changed (pick another checkpoint folder, or resume=True for the newest "
+                                  "usable one)")
+        return loaded
+
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest checkpoint that every rank can read, or None. The ones
         passed over are in :attr:`rejected` with the reason, and logged."""
@@ -483,10 +505,10 @@ class CheckpointManager:
         return None
 
     def restore(self, loaded: LoadedCheckpoint, context: Any = None, skip_rank_states: bool = False) -> None:
-        """Hand every participant its state, in registration order. A participant
-        with a ``restore(state, context)`` method gets that call instead of
-        ``load_state_dict`` (it adapts to a changed layout); per-rank states are
-        skipped when ``skip_rank_states`` (another world size), and such a
+        """Hand every participant its state with ``restore(state, context)``, in
+        registration order (the order is documented on
+        :class:`~pimm.engines.state.participants.Participant`); per-rank states
+        are skipped when ``skip_rank_states`` (another world size), and such a
         participant then gets ``restore(None, context)``. Sharded participants
         come first and read their part of ``sharded/`` (a collective)."""
         saved_sharded = loaded.manifest.get("sharded", [])
@@ -505,11 +527,10 @@ class CheckpointManager:
                 "resume it with parallel.strategy='fsdp' (any number of processes)")
         for name, participant in self._shared.items():
             if name in loaded.common:
-                _restore_one(participant, loaded.common[name], context)
+                participant.restore(loaded.common[name], context)
         for name, participant in self._per_rank.items():
             state = None if skip_rank_states or loaded.rank_state is None else loaded.rank_state.get(name)
-            if state is not None or hasattr(participant, "restore"):
-                _restore_one(participant, state, context)
+            participant.restore(state, context)
 
 
 def _entries(root: Path, paths: list[Path]) -> dict:
@@ -517,10 +538,3 @@ def _entries(root: Path, paths: list[Path]) -> dict:
     return {path.relative_to(root).as_posix(): {"size": path.stat().st_size, "crc32": _file_crc32(path)}
             for path in paths}
 
-
-def _restore_one(participant: Any, state: Any, context: Any) -> None:
-    restore = getattr(participant, "restore", None)
-    if restore is not None:
-        restore(state, context)
-    elif state is not None:
-        participant.load_state_dict(state)

@@ -32,7 +32,7 @@ import torch
 from pimm.engines.state.manager import CheckpointManager, LoadedCheckpoint
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["RestoreContext", "restore_latest", "flatten_config", "describe_config_changes"]
+__all__ = ["RestoreContext", "restore_latest", "restore_loaded", "flatten_config", "describe_config_changes"]
 
 # Config sections whose change between runs alters the training itself.
 _RELEVANT = ("model", "optimizer", "scheduler", "data", "param_dicts", "batch_size", "grad_accum_steps", "seed",
@@ -54,16 +54,20 @@ class RestoreContext:
         self._rank0: dict | None = None
 
     def config_wins(self, what: str, saved, configured) -> None:
+        """Report a hyperparameter the config overrides (``saved -> configured``)."""
         self.overridden.append(f"{what}: {saved!r} -> {configured!r}")
 
     def inexact(self, what: str) -> None:
+        """Report a part of the state that cannot be restored exactly."""
         if what not in self.inexact_parts:
             self.inexact_parts.append(what)
 
     def note(self, text: str) -> None:
+        """A line for the resume log."""
         self.notes.append(text)
 
     def rank0_state(self, name: str):
+        """Rank 0's saved state of participant ``name`` (read once, on demand)."""
         if self._rank0 is None:
             path = self.path / "rank00000.pth"
             self._rank0 = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else {}
@@ -90,6 +94,12 @@ def restore_latest(manager: CheckpointManager, world_size: int, config_flat: dic
         logger.info(f"resume=True but {manager.directory} {what}: starting a fresh run")
         return None
 
+    return restore_loaded(manager, loaded, world_size, config_flat, logger)
+
+
+def restore_loaded(manager: CheckpointManager, loaded: LoadedCheckpoint, world_size: int, config_flat: dict,
+                   logger) -> RestoreContext:
+    """Restore every participant from ``loaded`` and report what differs."""
     context = RestoreContext(loaded)
     saved_world = loaded.manifest.get("world_size", world_size)
     manager.restore(loaded, context, skip_rank_states=saved_world != world_size)
@@ -123,6 +133,7 @@ def flatten_config(cfg, prefix: str = "") -> dict[str, str]:
 
 
 def describe_config_changes(saved: dict[str, str], current: dict[str, str], limit: int = 12) -> list[str]:
+    """The training-relevant keys that differ between ``saved`` and ``current`` flattened configs."""
     changes = []
     for key in sorted(set(saved) | set(current)):
         if key.split(".")[0] not in _RELEVANT or saved.get(key) == current.get(key):
