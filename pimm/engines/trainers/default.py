@@ -33,6 +33,7 @@ from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant
                                              TrainStateParticipant)
 from pimm.engines.state.restore import flatten_config
 from pimm.engines.state.sharded import ShardedModelParticipant, ShardedOptimizerParticipant
+from pimm.engines.sync_points import host_sync
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.engines.trainers.evaluation import Evaluation
@@ -194,6 +195,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     def restore(self) -> bool:
         """``resume``: every participant from the newest usable checkpoint;
         otherwise ``weight=``: copy matching weights into the model."""
+        with host_sync("checkpoint"):  # before the first step; a restore reads states on the host
+            return self._restore()
+
+    def _restore(self) -> bool:
         cfg = self.cfg
         if cfg.resume:
             with self.tracer.long_span("checkpoint_load"):
@@ -226,7 +231,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         (a collective: every rank calls it at the same step)."""
         if self._last_saved_step == self.global_step:
             return
-        with self.tracer.long_span("checkpoint_save"):
+        with self.tracer.long_span("checkpoint_save"), host_sync("checkpoint"):  # states are copied to the host
             self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
@@ -264,7 +269,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     def save_model_file(self, name: str, model: torch.nn.Module | None = None, **fields) -> None:
         """``model/<name>`` now: plain weights for inference and warm starts (every rank
         gathers, rank 0 writes)."""
-        payload = self.model_file_payload(model, **fields)
+        with host_sync("checkpoint"):  # the weights are copied to the host
+            payload = self.model_file_payload(model, **fields)
         if comm.is_main_process():
             atomic_torch_save(payload, self.save_path / "model" / name)
 

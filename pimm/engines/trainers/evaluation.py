@@ -14,6 +14,7 @@ import torch
 
 from pimm.engines.registries import TESTERS
 from pimm.engines.state import load_weights
+from pimm.engines.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
@@ -37,7 +38,7 @@ class Evaluation:
         ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
         dispatch ``before_val`` / ``after_val(metrics)``. ``kind``: scheduled,
         final, on_demand (metrics only: no best model, no side effects)."""
-        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind):
+        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind), host_sync("evaluation"):
             return self._validate(evaluators, model, prefix, kind)
 
     def _validate(self, evaluators, model, prefix: str, kind: str) -> dict:
@@ -102,6 +103,10 @@ class Evaluation:
         """Score ``weight`` (default ``cfg.weight``; None here means the current
         weights) on the test split; the weights must fit the model exactly.
         Writes ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
+        with host_sync("evaluation"):  # evaluators read their results on the host
+            return self._test(weight)
+
+    def _test(self, weight) -> dict:
         weight = self.cfg.weight if weight is None and self.mode == "test" else weight
         evaluators = self.test_evaluators()
         if weight is not None:

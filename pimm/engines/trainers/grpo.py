@@ -51,6 +51,7 @@ from pimm.engines.metrics import reduce_op_by_suffix
 from pimm.engines.parallel import shard_model
 from pimm.engines.registries import TRAINERS
 from pimm.engines.state.participants import LoaderParticipant
+from pimm.engines.sync_points import host_sync
 from pimm.engines.trainers.default import DefaultTrainer
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError, ConfigError, UserError
@@ -377,9 +378,15 @@ class GRPOTrainer(DefaultTrainer):
         if update_index == 0:
             batch = self.next_batch()
             t = tracer.now()
-            cache.start(self._sample_rollout(batch), batch)
-            tracer.complete("rollout", t)
-            self._watch_rewards(cache)
+            # A rollout may make the host wait for the device, once per rollout (not per update):
+            # sampling decides on the host when every trajectory has stopped, the global totals
+            # (trajectories, active steps, longest trajectory) that normalise the loss are host
+            # numbers all-reduced across ranks, and the reward-health check that warns or stops
+            # the run reads the rewards. The updates that follow queue device work only.
+            with host_sync("rollout"):
+                cache.start(self._sample_rollout(batch), batch)
+                tracer.complete("rollout", t)
+                self._watch_rewards(cache)
             self.train_state.samples_seen += self.batch_size_per_rank * self.world_size
         t = tracer.now()
         micro_batches = split_rollout(cache.rollout, self.trajectory_microbatch_size)
