@@ -18,29 +18,13 @@ the InsegTrainer case checks that they are the only ones.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-import pimm.cli
 from pimm.engines import sync_points
 from pimm.engines.hooks import HookBase
-from pimm.engines.launch import build_trainer, load_config
-from pimm.engines.runtime import DEFAULT_HOOKS, apply_runtime_defaults, validate_runtime
-from pimm.utils.config import Config
-from tests.support.run import ROOT, write_toy_config
+from tests.support.sync_runs import SPARSE, default_hooks, grpo_trainer, inseg_trainer, toy_trainer
 from tests.support.sync_watch import SyncWatch, mark
-
-pimm.cli.register_all()
-
-
-def _hooks(*extra: dict, save_freq: int = 30) -> list[dict]:
-    """The default hooks (CheckpointSaver saving every ``save_freq`` steps) plus ``extra``."""
-    hooks = [dict(h) for h in DEFAULT_HOOKS]
-    saver = next(h for h in hooks if h["type"] == "CheckpointSaver")
-    saver["save_freq"] = save_freq
-    return hooks[:-1] + list(extra) + [saver]
 
 
 def watched_train(trainer, monkeypatch) -> SyncWatch:
@@ -71,17 +55,8 @@ def _report(watch: SyncWatch) -> str:
     return "\n".join(f"{n}x {text}" for text, n in sorted(seen.items(), key=lambda kv: -kv[1])[:15])
 
 
-def _toy_trainer(tmp_path: Path, hooks: list[dict], *options: str):
-    extra = (f"hooks = {hooks!r}\nlog_grad_norm = True\n"
-             'data = dict(train=dict(type="ToyDataset", num_samples=800, noise_aug=0.1), '
-             'val=dict(type="ToyDataset", num_samples=64, seed=1))\n')
-    config = write_toy_config(tmp_path, tmp_path / "run", extra)
-    cfg, built = load_config(str(config), ["epoch=2", *options], world_size=1)
-    return build_trainer(cfg, hooks=built)
-
-
 def test_default_trainer_steps_make_no_host_sync(tmp_path, monkeypatch):
-    trainer = _toy_trainer(tmp_path, _hooks(dict(type="ClsEvaluator", num_classes=2)), "clip_grad=1.0")
+    trainer = toy_trainer(tmp_path)
     watch = watched_train(trainer, monkeypatch)
     assert trainer.global_step == 100
     assert not watch.violations, "host syncs outside a flush/evaluation/checkpoint:\n" + _report(watch)
@@ -102,7 +77,7 @@ class _ReadsLoss(HookBase):
 
 
 def test_the_watch_flags_a_read_of_a_device_value_and_not_host_bookkeeping(tmp_path, monkeypatch):
-    trainer = _toy_trainer(tmp_path, _hooks(save_freq=None), "data.train.num_samples=96", "epoch=1")
+    trainer = toy_trainer(tmp_path, "data.train.num_samples=96", "epoch=1", hooks=default_hooks(save_freq=None))
     trainer.register_hooks([_ReadsLoss()])
     watch = watched_train(trainer, monkeypatch)
     assert trainer.global_step == 6
@@ -110,46 +85,24 @@ def test_the_watch_flags_a_read_of_a_device_value_and_not_host_bookkeeping(tmp_p
     assert all(v.where[0].endswith("after_step") and "test_no_host_sync.py" in v.where[0] for v in watch.violations)
 
 
-def test_marked_moments_nest_and_unwind_on_errors():
-    with sync_points.host_sync("checkpoint"):
-        with sync_points.host_sync("metric flush"):
-            assert sync_points.open_moments() == ("checkpoint", "metric flush")
-    with pytest.raises(ValueError), sync_points.host_sync("evaluation"):
-        raise ValueError
+def test_marked_moments_nest_unwind_on_errors_and_tell_observers_the_outermost_edges():
+    edges = []
+    with sync_points.on_moments(edges.append):
+        with sync_points.host_sync("checkpoint"):
+            with sync_points.host_sync("metric flush"):
+                assert sync_points.open_moments() == ("checkpoint", "metric flush")
+        with pytest.raises(ValueError), sync_points.host_sync("evaluation"):
+            raise ValueError
+    with sync_points.host_sync("evaluation"):  # the observer is gone
+        pass
+    assert edges == [True, False, True, False]
     assert not sync_points.sync_allowed() and sync_points.open_moments() == ()
 
 
 # -- InsegTrainer ------------------------------------------------------------
-INSEG_DATA = """
-_base_ = {base!r}
-custom_imports = ["tests.support.sync_models"]
-save_path = {save!r}
-epoch = 5
-batch_size = 2
-train = dict(type="InsegTrainer")
-_t = [dict(type="LogTransform", key="energy"), dict(type="ToTensor"),
-      dict(type="Collect", keys=("coord", "segment", "instance"), feat_keys=("energy",))]
-_gen = dict(type="LArTPCSynthDataset", transform=_t, points_per_event=(100, 200))
-data = dict(train=dict(_gen, num_events=40, split="train"), val=dict(_gen, num_events=4, split="val"))
-model = {model}
-optimizer = dict(type="AdamW", lr=0.002)
-scheduler = dict(type="CosineWarmupLR", warmup_ratio=0.2)
-hooks = {hooks!r}
-"""
-
-
-def _inseg_trainer(tmp_path: Path, model: str, *options: str):
-    config = tmp_path / "inseg_cfg.py"
-    config.write_text(INSEG_DATA.format(base=str(ROOT / "configs" / "_base_" / "default_runtime.py"),
-                                        save=str(tmp_path / "run"), model=model,
-                                        hooks=_hooks(dict(type="InsSegEvaluator", num_classes=5))))
-    cfg, built = load_config(str(config), list(options), world_size=1)
-    return build_trainer(cfg, hooks=built)
-
-
 @pytest.mark.slow
 def test_inseg_trainer_steps_make_no_host_sync(tmp_path, monkeypatch):
-    trainer = _inseg_trainer(tmp_path, 'dict(type="PointwiseInstanceModel", in_channels=1, num_classes=5)')
+    trainer = inseg_trainer(tmp_path)
     watch = watched_train(trainer, monkeypatch)
     assert trainer.global_step == 100
     assert not watch.violations, "host syncs outside a flush/evaluation/checkpoint:\n" + _report(watch)
@@ -158,9 +111,7 @@ def test_inseg_trainer_steps_make_no_host_sync(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_inseg_trainer_adds_no_sync_to_a_sparse_model_that_makes_its_own(tmp_path, monkeypatch):
-    backbone = 'dict(type="SparseUNet", in_channels=1, channels=(8, 16), enc_blocks=(1, 1), dec_blocks=(1,))'
-    trainer = _inseg_trainer(tmp_path, f'dict(type="PointGroupLite", num_classes=5, backbone={backbone})',
-                             "epoch=1", "data.train.num_events=12")
+    trainer = inseg_trainer(tmp_path, "epoch=1", "data.train.num_events=12", model=SPARSE)
     watch = watched_train(trainer, monkeypatch)
     assert trainer.global_step == 6 and watch.violations  # kernel maps, clustering: the model's own
     outside = [v for v in watch.violations if not v.where[0].startswith("models/")]
@@ -170,15 +121,7 @@ def test_inseg_trainer_adds_no_sync_to_a_sparse_model_that_makes_its_own(tmp_pat
 # -- GRPOTrainer ---------------------------------------------------------------
 @pytest.mark.slow
 def test_grpo_trainer_updates_make_no_host_sync(tmp_path, monkeypatch):
-    cfg = Config.fromfile(ROOT / "configs" / "grpo" / "tracks-grpo.py")
-    apply_runtime_defaults(cfg)
-    cfg.save_path = str(tmp_path / "run")
-    cfg.batch_size = 8
-    cfg.data.train.num_events = 400  # 50 rollouts x 2 updates
-    cfg.hooks = _hooks()
-    cfg.train.update({"torch_threads": None})  # leave the test process's threads alone
-    validate_runtime(cfg, 1)
-    trainer = build_trainer(cfg)
+    trainer = grpo_trainer(tmp_path)
     watch = watched_train(trainer, monkeypatch)
     assert trainer.global_step == 100
     assert not watch.violations, "host syncs outside a rollout/flush/checkpoint:\n" + _report(watch)

@@ -19,15 +19,26 @@ runs whole trainings with every such read instrumented and fails on any read
 outside these moments; ``bench/gpu_check.py`` runs the same under
 ``torch.cuda.set_sync_debug_mode("error")`` on a GPU.
 
+Some syncs are what a user asked for and stay unmarked: ``empty_cache=True``
+(``torch.cuda.empty_cache()`` after every step), the NaNGuard hook (it
+decides on the host whether to skip the update), fp16 with a GradScaler
+(torch's ``GradScaler.step`` reads its inf check on the host unless the
+optimizer is fused, and the scheduler steps only after a real update).
+
 The marker costs one list append and pop per moment (a few per logging
-interval, never per step) and nothing else: only the test looks at it.
+interval, never per step) and nothing else: only the test and the GPU check
+look at it.
 """
 
 from __future__ import annotations
 
-__all__ = ["host_sync", "sync_allowed", "open_moments"]
+import contextlib
+from typing import Callable, Iterator
+
+__all__ = ["host_sync", "sync_allowed", "open_moments", "on_moments"]
 
 _open: list[str] = []  # the reasons of the moments entered and not yet left (innermost last)
+_observers: list[Callable[[bool], None]] = []  # told when the first moment opens / the last one closes
 
 
 class host_sync:  # noqa: N801  (used like a function: ``with host_sync("checkpoint"):``)
@@ -39,11 +50,17 @@ class host_sync:  # noqa: N801  (used like a function: ``with host_sync("checkpo
         self.reason = reason
 
     def __enter__(self) -> "host_sync":
+        if not _open and _observers:
+            for observer in _observers:
+                observer(True)
         _open.append(self.reason)
         return self
 
     def __exit__(self, *exc) -> None:
         _open.pop()
+        if not _open and _observers:
+            for observer in _observers:
+                observer(False)
 
 
 def sync_allowed() -> bool:
@@ -54,3 +71,15 @@ def sync_allowed() -> bool:
 def open_moments() -> tuple[str, ...]:
     """The reasons of the moments currently entered, outermost first."""
     return tuple(_open)
+
+
+@contextlib.contextmanager
+def on_moments(observer: Callable[[bool], None]) -> Iterator[None]:
+    """Within this context, call ``observer(True)`` when a moment opens (none was
+    open) and ``observer(False)`` when the last open one closes. ``bench/gpu_check.py``
+    switches ``torch.cuda.set_sync_debug_mode`` between "error" and "default" with it."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
