@@ -109,6 +109,14 @@ def test_inseg_trainer_steps_make_no_host_sync(tmp_path, monkeypatch):
     assert {"metric flush", "evaluation", "checkpoint"} <= set(watch.allowed)
 
 
+def test_step_tracing_counts_points_without_a_sync(tmp_path, monkeypatch):
+    """structured_logging's per-step batch counter takes the points from a shape."""
+    trainer = inseg_trainer(tmp_path, "epoch=1", "data.train.num_events=16", "structured_logging.enabled=True")
+    watch = watched_train(trainer, monkeypatch)
+    assert trainer.global_step == 8
+    assert not watch.violations, _report(watch)
+
+
 @pytest.mark.slow
 def test_inseg_trainer_adds_no_sync_to_a_sparse_model_that_makes_its_own(tmp_path, monkeypatch):
     trainer = inseg_trainer(tmp_path, "epoch=1", "data.train.num_events=12", model=SPARSE)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pimm.cli
 from pimm.engines.launch import build_trainer, load_config
+from pimm.engines.tracing import build_tracer
 from pimm.engines.runtime import DEFAULT_HOOKS, apply_runtime_defaults, validate_runtime
 from pimm.utils.config import Config
 from tests.support.run import ROOT, write_toy_config
@@ -66,7 +67,8 @@ def inseg_trainer(directory: Path, *options: str, model: str = POINTWISE):
                                    save=str(directory / "run"), model=model,
                                    hooks=default_hooks(dict(type="InsSegEvaluator", num_classes=5))))
     cfg, built = load_config(str(config), list(options), world_size=1)
-    return build_trainer(cfg, hooks=built)
+    tracer = build_tracer(cfg.structured_logging, cfg.save_path, 0, 1)  # None unless structured_logging is on
+    return build_trainer(cfg, hooks=built, tracer=tracer)
 
 
 def grpo_trainer(directory: Path):

@@ -464,5 +464,8 @@ def batch_stats(batch, samples: int) -> dict:
     stats = {"samples": samples}
     offset = batch.get("offset") if isinstance(batch, dict) else None
     if isinstance(offset, torch.Tensor) and offset.numel():
-        stats["points"] = int(offset[-1])
+        coord = batch.get("coord")
+        # The points are coord's rows: a shape, where reading offset[-1] would make the
+        # host wait for the device at every traced step.
+        stats["points"] = coord.shape[0] if isinstance(coord, torch.Tensor) else int(offset[-1])
     return stats
