@@ -79,7 +79,7 @@ def test_empty_hook_list_warns_that_nothing_will_be_saved(tmp_path):
     cfg = write_toy_config(tmp_path, save, "epoch = 1\nhooks = []\n")
     result = run_tool("train", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hooks = []: nothing will log the training loss, evaluate or save checkpoints" in result.stdout
+    assert "hooks = []: nothing will log the training loss, evaluate or save checkpoints" in result.stderr
     assert not (save / "checkpoints").exists()
 
 

@@ -12,6 +12,7 @@ import json
 import struct
 import sys
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from tests.support.toy import ToyMLP  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH = 3, 10  # the toy config: 160 samples, batch 16
 TQDM_MARKERS = ("%|", "it/s]", "s/it]")
+LOG_LINE = re.compile(r"(\[rank\d+\] )?\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+\] ")  # pimm's console format
 
 WITH_PROGRESS_BAR = """
 hooks = hooks + [dict(type="ProgressBar")]
@@ -70,7 +72,8 @@ def read_tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
 
 
 def assert_single_error_line(stderr: str, prefix: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    # the log lines before the error are on stderr too (logs go to stderr, like Python's logging)
+    lines = [line for line in stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
     assert len(lines) == 1 and lines[0].startswith(prefix), stderr
     assert "Traceback" not in stderr
     return lines[0]
@@ -361,7 +364,7 @@ def test_failure_exits_1_with_one_traceback_and_closed_writers(tmp_path, monkeyp
     log = (save_path / "train.log").read_text()
     assert log.count("Traceback (most recent call last)") == 1
     assert "RuntimeError: simulated failure in forward call 7" in log
-    assert result.stdout.count("Traceback (most recent call last)") <= 1  # the console echo, not logged twice
+    assert result.stderr.count("Traceback (most recent call last)") <= 1  # the console echo, not logged twice
     # Writers were flushed and closed: steps 5 and 6 were still buffered (log_frequency=4).
     assert [step for step, _ in train_losses(save_path)] == [1, 2, 3, 4, 5, 6]
     assert max(read_tensorboard_scalars(save_path / "tensorboard")["train/loss"]) == 6  # the last window too

@@ -27,6 +27,7 @@ batch_size_test = None  # global; None = batch_size_val, else batch_size
 eval_epoch = None  # evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)
 test_only = False  # tools/train.py scores `weight` on data.test instead of training
 test = None  # a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)
+iters_per_epoch = None  # steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes // batch per process
 mix_prob = 0.0  # probability that the train collate mixes pairs of events
 matmul_precision = None  # torch.set_float32_matmul_precision (None: leave torch's)
 deterministic = False  # deterministic algorithms (and no TF32, cuDNN benchmarking off)

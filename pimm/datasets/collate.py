@@ -13,7 +13,12 @@ here build that layout from a list of per-event dicts and are registered in
   boundaries do). Bind the probability with
   ``functools.partial(point_collate_fn, mix_prob=0.8)``.
 * :func:`inseg_collate_fn` -- for instance segmentation: instance ids are made
-  unique across the batch and ``num_instances`` is added.
+  unique across the batch and ``num_instances`` is added; ``mix_prob`` mixes
+  events as above (instances stay distinct).
+
+With ``mix_prob`` set, a trainer whose train collate is the plain
+:func:`collate_fn` (a point data set's default) uses :func:`point_collate_fn`
+in its place (its ``mixing`` attribute).
 
 Each carries :func:`split_point_batch` as its ``split_batch`` attribute: the
 splitter the trainer's OOM back-off (``train.oom_backoff``) uses to redo a
@@ -102,6 +107,35 @@ def collate_fn(batch: Sequence[dict]) -> dict:
     return out
 
 
+def _mix_pairs(out: dict, shift_instances: bool) -> dict:
+    """Merge events 0+1, 2+3, ... of a collated batch (an odd last event stays
+    alone) by dropping every other ``offset`` boundary; the points do not move.
+    ``shift_instances``: shift each second event's non-negative ``instance``
+    ids past the first one's (its max + 1) so the merged event keeps its
+    particles apart (not needed when ids are already unique in the batch).
+    ``num_instances`` (per event) is summed over each pair."""
+    offset = out["offset"]
+    if shift_instances and isinstance(out.get("instance"), torch.Tensor):
+        instance = out["instance"].clone()
+        starts = torch.cat([offset.new_zeros(1), offset[:-1]]).tolist()
+        for first in range(0, len(offset) - 1, 2):
+            a, b, c = starts[first], int(offset[first]), int(offset[first + 1])
+            head = instance[a:b]
+            shift = int(head.max()) + 1 if head.numel() and int(head.max()) >= 0 else 0
+            tail = instance[b:c]
+            instance[b:c] = torch.where(tail >= 0, tail + shift, tail)
+        out["instance"] = instance
+    merged = offset[1::2]
+    if len(offset) % 2 == 1:
+        merged = torch.cat([merged, offset[-1:]])
+    out["offset"] = merged
+    counts = out.get("num_instances")
+    if isinstance(counts, torch.Tensor) and len(counts) == len(offset):
+        pairs = counts[: len(counts) // 2 * 2].view(-1, 2).sum(1)
+        out["num_instances"] = torch.cat([pairs, counts[len(pairs) * 2:]])
+    return out
+
+
 @COLLATE_FNS.register_module()
 def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     """:func:`collate_fn`, then with probability ``mix_prob`` (global numpy
@@ -114,32 +148,21 @@ def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     keep one element per original event."""
     out = collate_fn(batch)
     if mix_prob > 0 and np.random.rand() < mix_prob:
-        offset = out["offset"]
-        if "instance" in out and isinstance(out["instance"], torch.Tensor):
-            instance = out["instance"].clone()
-            starts = torch.cat([offset.new_zeros(1), offset[:-1]]).tolist()
-            for first in range(0, len(offset) - 1, 2):
-                a, b, c = starts[first], int(offset[first]), int(offset[first + 1])
-                head = instance[a:b]
-                shift = int(head.max()) + 1 if head.numel() and int(head.max()) >= 0 else 0
-                tail = instance[b:c]
-                instance[b:c] = torch.where(tail >= 0, tail + shift, tail)
-            out["instance"] = instance
-        merged = offset[1::2]
-        if len(offset) % 2 == 1:
-            merged = torch.cat([merged, offset[-1:]])
-        out["offset"] = merged
+        out = _mix_pairs(out, shift_instances=True)
     return out
 
 
 @COLLATE_FNS.register_module()
-def inseg_collate_fn(batch: Sequence[dict]) -> dict:
+def inseg_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     """:func:`collate_fn` with batch-unique instance ids.
 
     Each event's non-negative ``instance`` ids are shifted past those of the
     events before it (by the running sum of ``max id + 1``); ``-1`` (ignore)
     stays ``-1``. Adds ``num_instances`` (B,) int64 = ``max id + 1`` per
-    event (0 when it has none)."""
+    event (0 when it has none). With probability ``mix_prob`` (global numpy
+    RNG) events are then mixed in pairs as by :func:`point_collate_fn`: the
+    ids being unique in the batch, a merged event keeps every instance apart,
+    and its ``num_instances`` is the pair's sum."""
     shifted, num_instances, base = [], [], 0
     for sample in batch:
         if "instance" not in sample:
@@ -154,6 +177,8 @@ def inseg_collate_fn(batch: Sequence[dict]) -> dict:
         base += n_inst
     out = collate_fn(shifted)
     out["num_instances"] = torch.tensor(num_instances, dtype=torch.long)
+    if mix_prob > 0 and np.random.rand() < mix_prob:
+        out = _mix_pairs(out, shift_instances=False)
     return out
 
 
@@ -226,3 +251,6 @@ def _slice_entry(key, value, points, events, other_offsets) -> torch.Tensor:
 
 for _collate in (collate_fn, point_collate_fn, inseg_collate_fn):
     _collate.split_batch = split_point_batch
+# The collate that mixes events in place of the plain one when a config sets
+# mix_prob (the trainer's loader builder reads it; the engine knows no point clouds).
+collate_fn.mixing = point_collate_fn

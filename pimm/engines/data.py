@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulBatchSampler, StatefulRandomSampler
-from pimm.utils.errors import DataSampleError
+from pimm.utils.errors import ConfigError, DataSampleError
 from pimm.utils.rng import derive_seed, seed_cpu_streams
 
 __all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader",
-           "train_sampler"]
+           "train_sampler", "stream_batches_per_rank", "point_batch_size", "points_per_sample"]
 
 # torchdata calls a deprecated torch API on every loader construction; the
 # warning is torchdata's to fix and says nothing to a pimm user.
@@ -194,3 +194,39 @@ def build_eval_loader(
         loader = DataLoader(SeededDataset(dataset), sampler=sampler, **common)
     _LOADERS.add(loader)
     return loader
+
+
+def stream_batches_per_rank(dataset: IterableDataset, world_size: int, batch_size: int) -> int:
+    """Batches per epoch on each rank of an iterable data set, from its
+    ``num_samples()``: the size of the **whole stream** (all ranks together),
+    floored per rank then per batch, as upstream pimm reads it, so every rank
+    runs the same number of steps (DDP lockstep). A stream that shards itself
+    gives each rank ``num_samples() // world_size`` samples per epoch."""
+    count = getattr(dataset, "num_samples", None)
+    if not callable(count):
+        raise ConfigError(f"{type(dataset).__name__} is an iterable data set: set iters_per_epoch (top level or "
+                          "train.iters_per_epoch) or give the data set a num_samples() method")
+    total = count()
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ConfigError(f"{type(dataset).__name__}.num_samples() returned {total!r}: it must be the number of "
+                          "samples in the whole stream (an integer >= 0)")
+    return total // world_size // batch_size
+
+
+def point_batch_size(batch):
+    """``(points, events)`` of a point-cloud batch (an ``offset`` of cumulative
+    event ends, docs/contract.md): points as a 0-d tensor where the batch is
+    (read without a host sync), events an int; None for other batches."""
+    offset = batch.get("offset") if isinstance(batch, dict) else None
+    if not isinstance(offset, torch.Tensor) or offset.ndim != 1 or not len(offset):
+        return None
+    return offset[-1], len(offset)
+
+
+def points_per_sample(sizes: list):
+    """Mean points per event over batches' :func:`point_batch_size` (None when
+    any is not a point-cloud batch): a 0-d float tensor on the batch's device."""
+    if not sizes or any(size is None for size in sizes):
+        return None
+    points = sizes[0][0] if len(sizes) == 1 else torch.stack([p for p, _ in sizes]).sum()
+    return points / sum(events for _, events in sizes)  # true division: a float tensor

@@ -45,7 +45,7 @@ from pimm.engines.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 
-__all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix"]
+__all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix", "reduce_values"]
 
 REDUCE_OPS = ("mean", "sum", "min", "max", "last")
 DIRECTIONS = ("min", "max")
@@ -70,6 +70,21 @@ def reduce_op_by_suffix(name: str) -> str:
         if name.endswith("_" + suffix):
             return suffix
     return "mean"
+
+
+def reduce_values(op: str, values: list[float]) -> float:
+    """One tag's values over a logging window reduced by its op (``mean``, ``sum``,
+    ``min``, ``max``, ``last``): what the dashboards and the console line show."""
+    if op == "last":
+        return values[-1]
+    if op in ("min", "max", "sum"):
+        return {"min": min, "max": max, "sum": sum}[op](values)
+    return sum(values) / len(values)
+
+
+def tag_op(reduce: str | dict[str, str], tag: str) -> str:
+    """The reduce op of ``tag`` in a record published with ``reduce``."""
+    return reduce if isinstance(reduce, str) else reduce.get(tag, "mean")
 
 
 @dataclass
@@ -120,6 +135,7 @@ class MetricChannel:
         self._latest: dict[str, Any] = {}
         self._windows: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
         self._directions: dict[str, str] = {}
+        self._kinds: dict[str, tuple[bool, str]] = {}  # tag -> (dense, reduce op), as last flushed
         self.best = BestMetric()
 
     # -- publishing -----------------------------------------------------
@@ -162,7 +178,12 @@ class MetricChannel:
         return sum(values) / len(values) if values else default
 
     def names(self) -> list[str]:
+        """Every tag published so far (logged or not), sorted."""
         return sorted(self._latest)
+
+    def kind(self, name: str) -> tuple[bool, str]:
+        """``(dense, reduce op)`` of ``name`` as last flushed (``(False, "mean")`` if never)."""
+        return self._kinds.get(name, (False, "mean"))
 
     # -- directions and the best value ------------------------------------
     def declare(self, name: str, mode: str) -> None:
@@ -219,6 +240,7 @@ class MetricChannel:
                     value = values[(index, tag)]
                     self._latest[tag] = value
                 record[tag] = value
+                self._kinds[tag] = (dense, tag_op(reduce, tag))
             records.append(record)
             kinds.append((dense, reduce))
         if self.sink is not None:
@@ -245,7 +267,7 @@ def _reduce_tensors(pending: list) -> dict[tuple[int, str], float]:
     for index, (_, _, scalars, reduce, _) in enumerate(pending):
         for tag, value in scalars.items():
             if isinstance(value, torch.Tensor):
-                op = reduce if isinstance(reduce, str) else reduce.get(tag, "mean")
+                op = tag_op(reduce, tag)
                 by_op[op].append(((index, tag), value))
     out: dict[tuple[int, str], float] = {}
     for op, items in by_op.items():

@@ -211,6 +211,9 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("test_only", False, _bool, "tools/train.py scores `weight` on data.test instead of training"),
     RuntimeKey("test", None, _dict_or_none,
                "a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)"),
+    RuntimeKey("iters_per_epoch", None, _int(1, allow_none=True),
+               "steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes "
+               "// batch per process"),
     RuntimeKey("mix_prob", 0.0, _unit_interval, "probability that the train collate mixes pairs of events"),
     RuntimeKey("matmul_precision", None, _choice_or_none("highest", "high", "medium"),
                "torch.set_float32_matmul_precision (None: leave torch's)"),

@@ -3,10 +3,19 @@
 :class:`~pimm.engines.metrics.MetricChannel` buffers and reduces; this class
 only writes what it is handed, on rank 0. ``metrics.jsonl`` gets every record
 (floats with full precision; a non-finite value is written as ``null`` so
-every line stays valid JSON). TensorBoard and W&B get each flushed window of
-a dense per-step series reduced to one point at the window's last step, as
-detectron2 and mmengine log: a dashboard event per step would cost more than
-the step itself on small models.
+every line stays valid JSON). TensorBoard and W&B get each logging window of
+a dense per-step series reduced to one point per tag at the window's last
+step, as detectron2 and mmengine log: a dashboard event per step would cost
+more than the step itself on small models.
+
+Dashboard windows: each flush ends a window at the largest step it wrote
+(``(previous end, end]``); every tag is reduced by its own op (``mean``,
+``sum``, ``min``, ``max``, ``last``) over exactly its finite values of
+``metrics.jsonl`` in that step range, whoever published them and in which
+hook phase. Because a hook running after the flush in the same step may
+still publish for that step, a window reaches the dashboards at the next
+flush that goes past its end (or at a checkpoint, or when the writer
+closes). Records that are not dense are written at their own step.
 
 On resume the writer rewinds to the checkpoint: lines of ``metrics.jsonl``
 written after it are moved to ``metrics.rewound.jsonl`` (nothing is
@@ -23,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pimm.engines.metrics import reduce_values, tag_op
 from pimm.utils import comm
 
 __all__ = ["MetricsWriter", "METRICS_FILE", "REWOUND_FILE"]
@@ -62,6 +72,7 @@ class MetricsWriter:
         self._tb = None
         self._wandb_run = None
         self._purge_step: int | None = None
+        self._window = DashboardWindow()
         self.wandb_run_id: str | None = None
         self.last_step = 0
         if self.use_wandb and self.is_main:
@@ -79,8 +90,13 @@ class MetricsWriter:
         self.last_step = max(self.last_step, max(r["step"] for r in records))
         if self._tb is None and self._wandb_run is None:
             return
-        for step, scalars in _dashboard_events(records, kinds):
-            if self._tb is not None and scalars:
+        self._emit(self._window.add(records, kinds))
+
+    def _emit(self, events: list[tuple[int, dict[str, float]]]) -> None:
+        for step, scalars in events:
+            if not scalars:
+                continue
+            if self._tb is not None:
                 self._add_tb_scalars(scalars, step)
             if self._wandb_run is not None:
                 self._wandb_run.log(scalars, step=step)
@@ -130,7 +146,11 @@ class MetricsWriter:
 
     # -- resume ---------------------------------------------------------
     def state_dict(self) -> dict:
+        """The resume point: bytes of ``metrics.jsonl``, last step, W&B run id.
+        The open dashboard window is written out here, so that a resumed run
+        (whose TensorBoard purges only later steps) never draws it twice."""
         if self._jsonl is not None:
+            self._emit(self._window.close())
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
         path = self.save_path / METRICS_FILE
@@ -141,6 +161,7 @@ class MetricsWriter:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Rewind to a checkpoint's :meth:`state_dict`."""
         self.rewind(state["jsonl_bytes"], state["last_step"])
         if state.get("wandb_run_id"):
             self.wandb_run_id = state["wandb_run_id"]
@@ -149,6 +170,7 @@ class MetricsWriter:
         """Forget everything logged after a checkpoint taken at ``last_step``."""
         self.last_step = last_step
         self._purge_step = last_step + 1
+        self._window = DashboardWindow(end=last_step if last_step else None)
         if not self.is_main:
             return
         path = self.save_path / METRICS_FILE
@@ -169,7 +191,9 @@ class MetricsWriter:
         )
 
     def close(self) -> None:
+        """Write the open dashboard window, then close every sink."""
         if self._jsonl is not None:
+            self._emit(self._window.close())
             self._jsonl.close()
             self._jsonl = None
         if self._tb is not None:
@@ -180,37 +204,51 @@ class MetricsWriter:
             self._wandb_run = None
 
 
-_WINDOW_REDUCE = {"min": min, "max": max, "last": lambda values: values[-1]}
+class DashboardWindow:
+    """The dense values of the logging window not yet on the dashboards.
 
+    :meth:`add` takes each flush's records and returns the dashboard events
+    ``(step, {tag: value})`` that are complete: a window ``(start, end]``
+    (``end`` the largest step flushed so far) is complete once a flush goes
+    past ``end``; dense values at or before ``end`` that arrive later (a hook
+    publishing after the flush in the same step) still join it."""
 
-def _dashboard_events(records: list[dict], kinds: list[tuple]):
-    """``(step, scalars)`` for the dashboards: each run of consecutive dense
-    records collapses to one point at the run's last step (by the tag's
-    reduce op: min, max, last; the mean otherwise)."""
-    window: list[dict] = []
-    window_reduce: Any = "mean"
+    def __init__(self, end: int | None = None):
+        self.end = end
+        self._values: dict[str, tuple[str, list[float]]] = {}  # tag -> (reduce op, values in step order)
 
-    def collapse():
-        out = {}
-        for tag in window[-1]:
-            if tag in ("step", "epoch") or not _is_number(window[-1][tag]):
+    def add(self, records: list[dict], kinds: list[tuple]) -> list[tuple[int, dict[str, float]]]:
+        """Fold in one flush; the events it completes, in step order."""
+        newest = max(r["step"] for r in records)
+        closes = self.end is not None and newest > self.end
+        later: dict[str, tuple[str, list[float]]] = {}
+        events: list[tuple[int, dict[str, float]]] = []
+        for record, (dense, reduce) in zip(records, kinds):
+            if not dense:
+                scalars = {k: v for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)}
+                events.append((record["step"], scalars))
                 continue
-            values = [r[tag] for r in window if _is_number(r.get(tag))]
-            op = window_reduce if isinstance(window_reduce, str) else window_reduce.get(tag, "mean")
-            out[tag] = _WINDOW_REDUCE.get(op, lambda v: sum(v) / len(v))(values)
-        return window[-1]["step"], out
+            into = later if closes and record["step"] > self.end else self._values
+            for tag, value in record.items():
+                if tag in ("step", "epoch") or not _is_number(value):
+                    continue
+                entry = into.get(tag)
+                if entry is None:
+                    into[tag] = entry = (tag_op(reduce, tag), [])
+                entry[1].append(value)
+        if closes:
+            events.extend(self.close())
+            self._values = later
+        self.end = newest if self.end is None else max(self.end, newest)
+        events.sort(key=lambda event: event[0])  # W&B drops a step lower than one it already has
+        return events
 
-    for record, (dense, reduce) in zip(records, kinds):
-        if dense:
-            window.append(record)
-            window_reduce = reduce
-            continue
-        if window:
-            yield collapse()
-            window = []
-        yield record["step"], {k: v for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)}
-    if window:
-        yield collapse()
+    def close(self) -> list[tuple[int, dict[str, float]]]:
+        """The open window as one event (none if it is empty); a new one starts."""
+        values, self._values = self._values, {}
+        if not values or self.end is None:
+            return []
+        return [(self.end, {tag: reduce_values(op, vals) for tag, (op, vals) in values.items()})]
 
 
 def _is_number(value: Any) -> bool:

@@ -1,14 +1,19 @@
-"""The ``pimm`` logger: rank 0 writes ``save_path/train.log`` and the console;
-other ranks report warnings and errors to the console, and their errors
-(a failing rank's own traceback) to ``train.log`` too, marked ``[rankN]``."""
+"""The ``pimm`` logger: rank 0 writes ``save_path/train.log`` and the console
+(stderr, as Python's logging does); other ranks report warnings and errors to
+the console, and their errors (a failing rank's own traceback) to
+``train.log`` too, marked ``[rankN]``. Tracebacks go to ``train.log``, not
+the console (unless ``PIMM_DEBUG=1``). While a tqdm progress bar is on the
+terminal, a console line clears it, prints on a line of its own and redraws
+it, so a log line never shares a line with the bar."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
-__all__ = ["setup_logger", "FILE_ONLY", "log_file"]
+__all__ = ["setup_logger", "FILE_ONLY", "log_file", "LOG_PREFIX_WIDTH", "CONSOLE_WIDTH", "fit_line"]
 
 #: ``logger.error(..., exc_info=True, extra=FILE_ONLY)``: a traceback for
 #: ``train.log`` only, behind a one-line error the user already sees.
@@ -20,6 +25,54 @@ class _NotFileOnly(logging.Filter):
         return not getattr(record, "file_only", False)
 
 _FORMAT = "[%(asctime)s %(levelname)s] %(message)s"
+#: characters the console format puts before a message ("[2026-01-31 12:00:00 INFO] ")
+LOG_PREFIX_WIDTH = 27
+#: the longest console line pimm writes for a metrics summary, time stamp included
+CONSOLE_WIDTH = 160
+
+
+def fit_line(head: str, items: list[str], tail: str = "", max_width: int = CONSOLE_WIDTH,
+             max_items: int | None = None) -> str:
+    """``head item item ... tail`` with as many ``items`` as fit in ``max_width``
+    console characters (time stamp included); the rest are counted as
+    ``(+N in metrics.jsonl)``, where every value is kept."""
+    budget = max_width - LOG_PREFIX_WIDTH
+    shown: list[str] = []
+    for index, item in enumerate(items):
+        hidden = len(items) - index - 1
+        more = f" (+{hidden} in metrics.jsonl)" if hidden else ""
+        if (max_items is not None and index >= max_items) or \
+                len(" ".join([head, *shown, item, tail]).rstrip() + more) > budget:
+            break
+        shown.append(item)
+    if len(shown) < len(items):
+        shown.append(f"(+{len(items) - len(shown)} in metrics.jsonl)")
+    return " ".join(part for part in [head, *shown, tail] if part)
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """The console shows a failure's message; its traceback goes to ``train.log``
+    only (the launcher's one ``error:`` line points there). ``PIMM_DEBUG=1``
+    shows it on the console too."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if (record.exc_info or record.stack_info) and os.environ.get("PIMM_DEBUG") != "1":
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
+                                            "stack_info": None})
+        return super().format(record)
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """stderr, stepping around live tqdm bars (``tqdm.external_write_mode``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm_module = sys.modules.get("tqdm")  # no bar can exist unless tqdm was imported
+        bars = getattr(getattr(tqdm_module, "tqdm", None), "_instances", None)
+        if not bars:
+            super().emit(record)
+            return
+        with tqdm_module.tqdm.external_write_mode(file=self.stream):
+            super().emit(record)
 
 
 class _LogFile(logging.FileHandler):
@@ -52,9 +105,9 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(_FORMAT if rank == 0 else f"[rank{rank}] " + _FORMAT, "%Y-%m-%d %H:%M:%S")
-    console = logging.StreamHandler(sys.stdout)
+    console = _ConsoleHandler(sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    console.setFormatter(formatter)
+    console.setFormatter(_ConsoleFormatter(formatter._fmt, formatter.datefmt))
     console.addFilter(_NotFileOnly())
     logger.addHandler(console)
     if save_path is not None:

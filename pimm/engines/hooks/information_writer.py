@@ -3,7 +3,9 @@
 
 The trainer publishes every step's scalars (``train/loss``, ``train/lr``,
 the model's scalar outputs) as device tensors; the host transfer and the
-cross-rank reduction happen here, once per ``log_frequency`` steps.
+cross-rank reduction happen here, once per ``log_frequency`` steps. The log
+line shows the window's reductions (the mean loss over the window, not the
+last step's), as TensorBoard and W&B do.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import datetime
 import math
 
 from pimm.engines.hooks.base import HookBase
+from pimm.engines.metrics import reduce_values
 from pimm.engines.registries import HOOKS
+from pimm.utils.logger import fit_line
 
 __all__ = ["InformationWriter"]
 
@@ -22,18 +26,26 @@ class InformationWriter(HookBase):
     """Flush the metric channel and log a line every ``log_frequency`` steps
     and at each epoch end (see the module docstring).
 
+    The line shows each ``train/*`` scalar reduced over the window since the
+    previous flush by its own op (the loss: its mean), the same value the
+    dashboards get for that window, and stays within ``max_width``
+    characters: scalars that do not fit are counted, not shown (all of them
+    are in ``metrics.jsonl``).
+
     Args:
         log_frequency: steps between flushes (each is a cross-rank collective).
-        max_extras: how many other ``train/*`` scalars a log line shows beside
-            loss and lr.
+        max_extras: at most this many other ``train/*`` scalars beside loss and lr.
+        max_width: longest console line, in characters, the logger's time stamp
+            included (at least 80).
     """
-    def __init__(self, log_frequency: int = 20, max_extras: int = 12):
-        for name, value in (("log_frequency", log_frequency), ("max_extras", max_extras)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "log_frequency" else 0):
-                raise ValueError(f"{name} must be a {'positive' if name == 'log_frequency' else 'non-negative'} "
-                                 f"integer, got {value!r}")
+    def __init__(self, log_frequency: int = 20, max_extras: int = 12, max_width: int = 160):
+        for name, value, low in (("log_frequency", log_frequency, 1), ("max_extras", max_extras, 0),
+                                 ("max_width", max_width, 80)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.log_frequency = log_frequency
-        self.max_extras = max_extras  # train/* scalars shown in a log line beside loss and lr
+        self.max_extras = max_extras
+        self.max_width = max_width
 
     def after_step(self):
         trainer = self.trainer
@@ -42,25 +54,37 @@ class InformationWriter(HookBase):
 
     def _flush_and_log(self):
         trainer = self.trainer
-        records = trainer.metrics.flush()
-        last = next((r for r in reversed(records) if "train/loss" in r), None)
-        if last is None:
-            return
         metrics = trainer.metrics
+        records = metrics.flush()
+        window = window_values(records, metrics, prefix="train/")
+        if "train/loss" not in window:
+            return
         eta = metrics.latest("time/eta", float("nan"))
         eta_text = str(datetime.timedelta(seconds=int(eta))) if not math.isnan(eta) else "-"
-        extra_items = [(k[6:], v) for k, v in last.items()
-                       if k.startswith("train/") and k not in ("train/loss", "train/lr") and v is not None]
-        extras = " ".join(f"{k} {v:.4f}" for k, v in extra_items[:self.max_extras])
-        if len(extra_items) > self.max_extras:
-            extras += f" (+{len(extra_items) - self.max_extras} in metrics.jsonl)"
-        loss = last["train/loss"]
-        trainer.logger.info(
-            f"Train: [{trainer.epoch + 1}/{trainer.max_epoch}][{trainer.iter}/{trainer.iters_per_epoch}] "
-            f"step {trainer.global_step} loss {loss:.4f} lr {last['train/lr']:.3e} "
-            f"{extras + ' ' if extras else ''}"
-            f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
-        )
+        head = (f"Train: [{trainer.epoch + 1}/{trainer.max_epoch}][{trainer.iter}/{trainer.iters_per_epoch}] "
+                f"step {trainer.global_step} loss {window['train/loss']:.4f}")
+        if "train/lr" in window:
+            head += f" lr {window['train/lr']:.3e}"
+        tail = f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
+        extras = [f"{tag[6:]} {value:.4g}" for tag, value in window.items() if tag not in ("train/loss", "train/lr")]
+        trainer.logger.info(fit_line(head, extras, tail, self.max_width, self.max_extras))
 
     def after_epoch(self):
         self.trainer.metrics.flush()
+
+
+def window_values(records: list[dict], metrics, prefix: str = "") -> dict[str, float]:
+    """Each tag (starting with ``prefix``) of a flush's records reduced over the
+    window by its op, the way the dashboards reduce it: dense series by their
+    reduce op, other records by their last value; non-finite values skipped."""
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for tag, value in record.items():
+            if tag.startswith(prefix) and tag not in ("step", "epoch") and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and math.isfinite(value):
+                values.setdefault(tag, []).append(value)
+    out = {}
+    for tag, vals in values.items():
+        dense, op = metrics.kind(tag)
+        out[tag] = reduce_values(op if dense else "last", vals)
+    return out

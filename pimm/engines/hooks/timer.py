@@ -13,9 +13,12 @@ __all__ = ["IterationTimer"]
 
 @HOOKS.register_module()
 class IterationTimer(HookBase):
-    """Publish ``time/step`` and ``time/eta`` each step; the first
-    ``warmup_iter`` steps (start-up, compilation, allocator warm-up) are left out
-    of the average that the ETA is based on."""
+    """Publish ``time/step`` and ``time/eta`` each step.
+
+    ``time/step`` is the step alone. The ETA is based on wall-clock time per
+    step since the first ``warmup_iter`` steps (start-up, compilation,
+    allocator warm-up), so evaluations, checkpoints and logging between steps
+    count in it as often as they have occurred so far."""
     # Before the writers (NORMAL) so a log line at this step sees this step's timing.
     priority = "HIGH"
 
@@ -25,7 +28,7 @@ class IterationTimer(HookBase):
         self.warmup_iter = warmup_iter
         self._step_start = 0.0
         self._timed_steps = 0
-        self._timed_total = 0.0
+        self._timed_since = 0.0  # wall clock at the end of the warm-up steps
         self._train_start = time.perf_counter()
 
     def before_train(self):
@@ -40,9 +43,12 @@ class IterationTimer(HookBase):
         metrics = trainer.metrics
         metrics.record("time/step", step_time)
         self._timed_steps += 1
-        if self._timed_steps > self.warmup_iter:  # the first steps pay for start-up
-            self._timed_total += step_time
-            mean = self._timed_total / (self._timed_steps - self.warmup_iter)
+        if self._timed_steps == self.warmup_iter:
+            self._timed_since = time.perf_counter()
+        elif self._timed_steps > self.warmup_iter:  # the first steps pay for start-up
+            if self.warmup_iter == 0 and self._timed_steps == 1:
+                self._timed_since = self._step_start
+            mean = (time.perf_counter() - self._timed_since) / (self._timed_steps - self.warmup_iter)
             remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - trainer.iter
             metrics.record("time/eta", mean * remaining)
 

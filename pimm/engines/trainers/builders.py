@@ -145,21 +145,29 @@ class ComponentBuilders:
             self._test_loader = self.build_test_loader()
         return self._test_loader
 
-    def _compute_iters_per_epoch(self) -> int:
-        dataset = self.train_loader.dataset
-        explicit = self.options["iters_per_epoch"]
+    def explicit_iters_per_epoch(self) -> int | None:
+        """The epoch length the config sets: ``train.iters_per_epoch``, else the
+        top-level ``iters_per_epoch`` (upstream's key) for iterable data; None: derived."""
+        explicit, top = self.options["iters_per_epoch"], self.cfg.get("iters_per_epoch")
         if explicit is not None:
             if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0:
                 raise ConfigError(f"train.iters_per_epoch={explicit!r} must be a positive integer")
+            if top is not None and top != explicit:
+                raise ConfigError(f"iters_per_epoch={top} and train.iters_per_epoch={explicit} disagree: set one")
+            return explicit
+        return top if isinstance(self.train_loader.dataset, IterableDataset) else None
+
+    def _compute_iters_per_epoch(self) -> int:
+        dataset = self.train_loader.dataset
+        explicit = self.explicit_iters_per_epoch()
+        if explicit is not None:
             return explicit
         if isinstance(dataset, IterableDataset):
-            if not hasattr(dataset, "num_samples"):
-                raise ConfigError(
-                    f"{type(dataset).__name__} is an iterable data set: set train.iters_per_epoch "
-                    "or give the data set a num_samples() method"
-                )
-            batches = dataset.num_samples() // self.batch_size_per_rank
+            batches = data_lib.stream_batches_per_rank(dataset, self.world_size, self.batch_size_per_rank)
         else:
+            if self.cfg.get("iters_per_epoch") is not None:
+                self.logger.warning(f"iters_per_epoch={self.cfg.iters_per_epoch} is ignored: the training set is "
+                                    "map-style and an epoch is one pass over it (as upstream)")
             batches = len(self.train_loader)
         iters = self.iters_for_batches(batches)
         if iters <= 0:
@@ -209,10 +217,15 @@ class ComponentBuilders:
 
 def _with_mix_prob(collate, mix_prob: float):
     """The train collate with ``mix_prob`` (upstream's runtime key): only a collate
-    that mixes events takes it (``point_collate_fn``)."""
+    that mixes events takes it; one that names a mixing variant as its ``mixing``
+    attribute (the plain point collate: ``point_collate_fn``) is replaced by it."""
     import inspect
 
     target = collate.func if isinstance(collate, functools.partial) else collate
+    mixing = getattr(target, "mixing", None)
+    if mixing is not None:
+        collate = functools.partial(mixing, **collate.keywords) if isinstance(collate, functools.partial) else mixing
+        target = mixing
     try:
         takes = "mix_prob" in inspect.signature(target).parameters
     except (TypeError, ValueError):

@@ -387,9 +387,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         step_loss = None
         tracer = self.tracer
         kept = [] if self.oom_backoff is not None else None  # the step's batches, to redo them after an OOM
+        sizes = []  # (points, events) of point-cloud batches, for train/avg_pts
         try:
             for micro in range(accum):
                 batch = self.next_batch()
+                sizes.append(data_lib.point_batch_size(batch))
                 if kept is not None:
                     kept.append(batch)
                 with optim_step.sync(last=micro == accum - 1):
@@ -405,6 +407,9 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 raise
             output = loss = None  # the failed attempt's graph must not outlive it
             batch, output, step_loss = self.oom_backoff.redo_step(self, kept, oom)
+        avg_pts = data_lib.points_per_sample(sizes)
+        if avg_pts is not None and isinstance(output, dict):
+            output = {**output, "avg_pts": avg_pts}  # logged with the model's scalars, as upstream
         # Visible to after_backward hooks (called inside step()) and after_step hooks.
         info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
         t = tracer.now()

@@ -18,6 +18,7 @@ from pimm.engines.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
+from pimm.utils.logger import fit_line
 
 __all__ = ["Evaluation"]
 
@@ -69,8 +70,8 @@ class Evaluation:
         self.metrics.publish(metrics)
         self.metrics.flush()
         self.writer.add_images(shown, self.global_step)
-        summary = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.logger.info(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s): {summary}")
+        self.logger.info(fit_line(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s):",
+                                  [f"{k} {v:.4f}" for k, v in metrics.items()]))
         for table in reports:
             if table:
                 self.logger.info(table)

@@ -1,0 +1,95 @@
+"""GRPOTrainer's checkpointed state: the rollout being trained on, and the
+data position counted in the batches that rollouts consumed."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from pimm.engines.state.participants import LoaderParticipant
+from pimm.utils.errors import CheckpointError
+
+__all__ = ["RolloutCache", "RolloutLoaderParticipant"]
+
+
+def _move(obj, device):
+    """``obj`` with every tensor moved to ``device``: through dicts, lists, tuples
+    and the attributes of plain objects (upstream's trajectory objects)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_move(v, device) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        moved = copy.copy(obj)
+        moved.__dict__.update({k: _move(v, device) for k, v in vars(obj).items()})
+        return moved
+    return obj
+
+
+class RolloutCache:
+    """The rollout being trained on and its updates' metrics so far; a per-rank
+    checkpoint participant (with ``step_per="update"`` a checkpoint may fall
+    between two updates of a rollout)."""
+
+    def __init__(self, device: torch.device, step_per: str = "update"):
+        self.device, self.step_per = device, step_per
+        self.rollout: dict | None = None
+        self.batch: dict | None = None  # for hooks' input_dict only; not checkpointed
+        self.history: list[dict[str, torch.Tensor]] = []
+        self.all_nan_run = 0  # rollouts in a row whose rewards were all NaN
+        self.useless_run = 0  # rollouts in a row with nothing to learn (all NaN, or no group with a spread)
+
+    def start(self, rollout: dict, batch) -> None:
+        """Train on ``rollout`` (sampled from ``batch``) from now on."""
+        self.rollout, self.batch, self.history = rollout, batch, []
+
+    def clear(self) -> None:
+        """Forget the rollout (its last update is done)."""
+        self.rollout = self.batch = None
+        self.history = []
+
+    def state_dict(self) -> dict:
+        """The rollout and history on the CPU (None when between rollouts)."""
+        return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu"),
+                "step_per": self.step_per, "all_nan_run": self.all_nan_run, "useless_run": self.useless_run}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the rollout onto this trainer's device (refused when the
+        checkpoint counted steps otherwise: its step numbers mean other things)."""
+        saved = state.get("step_per", "update")
+        if saved != self.step_per:
+            raise CheckpointError(f"this run was checkpointed with train.step_per={saved!r} and resumes with "
+                                  f"{self.step_per!r}: its step numbers, epoch length and data position count "
+                                  f"differently; resume with step_per={saved!r}")
+        self.rollout = _move(state["rollout"], self.device)
+        self.history = _move(list(state["history"]), self.device)
+        self.all_nan_run = int(state.get("all_nan_run", 0))  # absent from older checkpoints
+        self.useless_run = int(state.get("useless_run", 0))
+        self.batch = None
+
+
+class RolloutLoaderParticipant(LoaderParticipant):
+    """The data position in batches consumed: a rollout's batch is taken at its
+    first step, so after ``i`` steps ``ceil(i / steps_per_rollout)`` batches are gone."""
+
+    def state_dict(self) -> dict:
+        """The loader's state, with the position counted in rollouts' batches."""
+        state = super().state_dict()
+        if state["kind"] == "position":
+            trainer = self.trainer
+            batches = math.ceil(trainer.train_state.iter_in_epoch / trainer.steps_per_rollout)
+            state["samples_in_epoch"] = batches * trainer.batch_size_per_rank * trainer.world_size
+        return state
+
+    def restore(self, state, context) -> None:
+        """Refuse a different process layout (each rank's rollout is its own)."""
+        if context.layout_changed:
+            raise CheckpointError(
+                f"checkpoint {context.path.name}: a GRPO run resumes with the process layout that saved it "
+                f"(changed: {', '.join(context.layout_changed)}); resume with the same number of processes, "
+                "batch size and workers")
+        super().restore(state, context)
