@@ -66,6 +66,8 @@ def read_tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
             offset += 12 + length + 4
             event = Event.FromString(payload)
             for value in event.summary.value:
+                if not value.HasField("simple_value") and not value.tensor.float_val:
+                    continue  # not a scalar (the text of a failure, an image)
                 number = value.simple_value if value.HasField("simple_value") else value.tensor.float_val[0]
                 scalars.setdefault(value.tag, {})[event.step] = number
     return scalars

@@ -8,7 +8,9 @@ epoch = 1  # absolute horizon: raising it and resuming extends a finished run
 batch_size = 16  # global, split evenly across processes
 batch_size_val = None  # global; None = batch_size
 num_worker = 0  # global data-loading workers, split across processes
-resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable
+resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; a checkpoint folder's path: continue from that one
+validate_on_resume = False  # a resumed run evaluates its weights (val/* at the resumed step) before training continues
+scheduler_interval = 1  # optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)
 weight = None  # warm-start weights (a .pth file)
 evaluate = True  # run the evaluator hooks
 enable_amp = False  # mixed precision (autocast)
@@ -19,6 +21,15 @@ log_grad_norm = False  # log train/grad_norm every step (always logged when clip
 gradient_checkpointing = None  # recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])
 use_wandb = False  # W&B run (WANDB_MODE=offline works without network)
 wandb_project = 'pimm'  # W&B project
+wandb_entity = None  # W&B team or user (None: your default entity)
+wandb_run_name = None  # W&B run name (None: the save_path folder's name)
+wandb_group = None  # W&B run group
+wandb_job_type = None  # W&B job type
+wandb_tags = None  # W&B run tags, e.g. ['baseline']
+wandb_run_id = None  # W&B run id (None: drawn at the start and kept in checkpoints, so a resume continues the same run)
+wandb_resume = None  # W&B resume mode: 'allow' (None), 'must', 'never' or 'auto'
+launch_command = None  # the command that launched the job, shown as the W&B run's notes
+log_step_offset = 0  # added to every step sent to W&B (metrics.jsonl and TensorBoard keep the run's own steps)
 enable_tensorboard = True  # TensorBoard event files under save_path/tensorboard
 preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal
 param_dicts = None  # per-parameter-group options, see docs/engine.md

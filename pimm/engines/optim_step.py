@@ -38,7 +38,8 @@ class StepResult(NamedTuple):
 
 class OptimStep:
     """Owns the GradScaler, clipping, gradient-sync control, the optimizer step,
-    ``zero_grad`` and the scheduler step.
+    ``zero_grad`` and the scheduler step (every update, or every
+    ``scheduler_interval`` updates that really stepped).
 
     ``model`` is the module the loss is computed through (the DDP/FSDP wrapper
     when distributed); it decides how gradient sync is paused on inner
@@ -47,7 +48,12 @@ class OptimStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, scheduler=None, scaler: torch.amp.GradScaler | None = None,
                  clip_grad: float | None = None, model: torch.nn.Module | None = None,
-                 params: Iterable[torch.nn.Parameter] | None = None, track_grad_norm: bool = False):
+                 params: Iterable[torch.nn.Parameter] | None = None, track_grad_norm: bool = False,
+                 scheduler_interval: int = 1):
+        if isinstance(scheduler_interval, bool) or not isinstance(scheduler_interval, int) or scheduler_interval < 1:
+            raise ValueError(f"scheduler_interval must be a positive integer, got {scheduler_interval!r}")
+        self.scheduler_interval = scheduler_interval
+        self.updates = 0  # optimizer updates that really stepped (checkpointed when scheduler_interval > 1)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -108,9 +114,19 @@ class OptimStep:
             self.optimizer.step()
             stepped = True
         self.optimizer.zero_grad(set_to_none=True)
-        if stepped and self.scheduler is not None:
-            self.scheduler.step()
+        if stepped:
+            self.updates += 1
+            if self.scheduler is not None and self.updates % self.scheduler_interval == 0:
+                self.scheduler.step()
         return StepResult(grad_norm, stepped, lr)
+
+    def state_dict(self) -> dict:
+        """The update count (where the next scheduler step falls with ``scheduler_interval``)."""
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the update count."""
+        self.updates = int(state["updates"])
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

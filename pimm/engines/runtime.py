@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
+from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.errors import ConfigError
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
@@ -71,12 +72,6 @@ def _choice(*choices):
     return check
 
 
-def _str(key, value):
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}={value!r} is invalid: it takes a non-empty string")
-    return value
-
-
 def _path(allow_none: bool = False, must_exist: bool = False):
     def check(key, value):
         if value is None and allow_none:
@@ -93,8 +88,15 @@ def _path(allow_none: bool = False, must_exist: bool = False):
 def _resume(key, value):
     if value is True or value is False or value == "allow_fresh":
         return value
-    raise ConfigError(f"{key}={value!r} is invalid: it takes True, False or 'allow_fresh' "
-                      "(resume, or start fresh when no usable checkpoint exists)")
+    if isinstance(value, (str, os.PathLike)) and str(value) and str(value) not in ("True", "False", "true", "false"):
+        path = Path(os.path.expanduser(str(value)))
+        if not path.exists():
+            raise ConfigError(f"{key}={str(value)!r} is invalid: it takes True, False, 'allow_fresh' or the path of "
+                              "a checkpoint folder (e.g. <save_path>/checkpoints/step000000100-epoch0001), and there "
+                              "is no such checkpoint")
+        return str(path)
+    raise ConfigError(f"{key}={value!r} is invalid: it takes True, False, 'allow_fresh' (resume, or start fresh "
+                      "when no usable checkpoint exists) or the path of a checkpoint folder to resume from")
 
 
 def _seed(key, value):
@@ -188,7 +190,12 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("batch_size_val", None, _int(1, allow_none=True), "global; None = batch_size"),
     RuntimeKey("num_worker", 0, _int(0), "global data-loading workers, split across processes"),
     RuntimeKey("resume", False, _resume,
-               "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable"),
+               "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; "
+               "a checkpoint folder's path: continue from that one"),
+    RuntimeKey("validate_on_resume", False, _bool,
+               "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
+    RuntimeKey("scheduler_interval", 1, _int(1),
+               "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
     RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
     RuntimeKey("enable_amp", False, _bool, "mixed precision (autocast)"),
@@ -199,7 +206,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("gradient_checkpointing", None, _patterns_or_none,
                "recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])"),
     RuntimeKey("use_wandb", False, _bool, "W&B run (WANDB_MODE=offline works without network)"),
-    RuntimeKey("wandb_project", "pimm", _str, "W&B project"),
+    *(RuntimeKey(name, default, check, doc) for name, default, check, doc in WANDB_KEYS),
     RuntimeKey("enable_tensorboard", True, _bool, "TensorBoard event files under save_path/tensorboard"),
     RuntimeKey("preempt_signals", ["SIGTERM"], _signals,
                "signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal"),
@@ -252,6 +259,7 @@ def apply_runtime_defaults(cfg) -> None:
 
 def validate_runtime(cfg, world_size: int) -> None:
     """Check every runtime key's type and range; normalise paths (``~``)."""
+    check_wandb_keys(cfg)
     for key in RUNTIME_KEYS:
         cfg[key.name] = key.check(key.name, cfg.get(key.name))
     if cfg.batch_size % world_size:

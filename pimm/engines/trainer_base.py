@@ -156,6 +156,8 @@ class TrainerBase:
             elif looping:  # bad input found mid-run (not a refused start): its line in train.log too
                 self.logger.error(f"error: {exc} (at epoch {self.epoch + 1}, step {self.global_step})",
                                   extra=FILE_ONLY)
+            if looping:  # a refused start writes nothing into save_path
+                self.report_failure(exc)
             self.call_hooks("on_exception", exc)
             raise
         finally:
@@ -263,6 +265,9 @@ class TrainerBase:
 
     def close(self) -> None:
         """Release resources (writers, loader workers); called once at the end."""
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Record a failure where the user looks (the dashboards); must not raise."""
 
 
 def _traced_hook(tracer, hook, phase: str):

@@ -138,11 +138,10 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(str(self.save_path / "tensorboard"), purge_step=self._purge_step)
         if self.use_wandb:
-            import wandb
+            from pimm.engines.wandb_options import start_wandb_run
 
-            self._wandb_run = wandb.init(
-                id=self.wandb_run_id, resume="allow", dir=str(self.save_path), **self.wandb_init
-            )
+            self._wandb_run = start_wandb_run(self.wandb_init, self.wandb_run_id, self.save_path)
+            self.wandb_run_id = self._wandb_run.id  # wandb_run_id, when set, wins: checkpoints carry it
 
     # -- resume ---------------------------------------------------------
     def state_dict(self) -> dict:
@@ -190,6 +189,23 @@ class MetricsWriter:
             f"{moved} later line(s) moved to {REWOUND_FILE}"
         )
 
+    def record_exception(self, exc: BaseException, step: int) -> None:
+        """A failed run's exception, on rank 0: TensorBoard text ``failure`` at
+        ``step`` and the W&B summary's ``exception``; the W&B run ends marked failed."""
+        if not self.is_main or not (self.enable_tensorboard or self.use_wandb):
+            return
+        import traceback
+
+        text = "".join(traceback.format_exception(exc)).rstrip()
+        self._open()
+        if self._tb is not None:
+            self._tb.add_text("failure", "```\n" + text + "\n```", step)
+        if self._wandb_run is not None:
+            self._wandb_run.record_failure(text, step)
+            self._failed = True
+
+    _failed = False
+
     def close(self) -> None:
         """Write the open dashboard window, then close every sink."""
         if self._jsonl is not None:
@@ -200,7 +216,7 @@ class MetricsWriter:
             self._tb.close()
             self._tb = None
         if self._wandb_run is not None:
-            self._wandb_run.finish()
+            self._wandb_run.finish(exit_code=1 if self._failed else None)
             self._wandb_run = None
 
 

@@ -25,6 +25,10 @@ def _positive(name: str, value, allow_none: bool = True, integer: bool = False):
     return value
 
 
+# keep=...: (keep_last, keep_best, keep_all)
+_NAMED_POLICIES = {"best": (1, True, False), "last": (1, False, False), "all": (1, False, True)}
+
+
 @HOOKS.register_module()
 class CheckpointSaver(HookBase):
     """Resumable checkpoints (each with ``model/model_last.pth``) at every epoch
@@ -39,7 +43,10 @@ class CheckpointSaver(HookBase):
     * ``keep_every``: plus every one whose step is a multiple of K, forever;
     * ``keep_all``: every one.
 
-    "Best only" is ``keep_last=1, keep_best=True``.
+    * ``keep``: a named policy instead of the above: ``"best"`` keeps the
+      best checkpoint and the newest one (resume needs the newest; the two
+      are one when the newest is the best), i.e. ``keep_last=1,
+      keep_best=True``; ``"last"`` only the newest; ``"all"`` every one.
 
     ``async_write``: the training thread only copies the state; a background
     writer writes and commits it (one at a time; the end of training and a
@@ -50,7 +57,14 @@ class CheckpointSaver(HookBase):
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
-                 time_check_every: int = 10, async_write: bool = True):
+                 time_check_every: int = 10, async_write: bool = True, keep: str | None = None):
+        if keep is not None:
+            if keep not in _NAMED_POLICIES:
+                raise ValueError(f"keep must be one of {', '.join(map(repr, _NAMED_POLICIES))} or None, got {keep!r}")
+            if keep_all or keep_every is not None:
+                raise ValueError(f"keep={keep!r} is a whole retention policy: drop keep_all / keep_every")
+            keep_last, keep_best, keep_all = _NAMED_POLICIES[keep]
+        self.keep = keep
         self.save_freq = _positive("save_freq", save_freq, integer=True)
         self.save_every_seconds = _positive("save_every_seconds", save_every_seconds)
         for name, flag in (("keep_best", keep_best), ("keep_all", keep_all), ("async_write", async_write)):
@@ -73,6 +87,9 @@ class CheckpointSaver(HookBase):
 
     def before_train(self):
         self._last_save = time.monotonic()
+        if self.keep == "best" and self.trainer.metrics.best.name is None:
+            self.trainer.logger.warning("CheckpointSaver(keep='best'): no evaluator declares a metric to rank "
+                                        "checkpoints by, so only the newest checkpoint is kept")
 
     def _time_due(self) -> bool:
         if not self.save_every_seconds or self.trainer.global_step % self.time_check_every:

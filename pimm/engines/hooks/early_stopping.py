@@ -15,7 +15,15 @@ and the final evaluation a requested stop makes is one the uninterrupted run
 never had, so counting it would make a stopped-and-resumed run decide
 differently.
 ``patience`` evaluations in a row without an improvement of more than
-``min_delta`` stop the run. Evaluation metrics are identical on every rank,
+``min_delta`` stop the run.
+
+Several metrics (``monitor=["val/acc", "val/loss"]``, as KonfAI's early
+stopping on a sum of criteria): the hook watches one score, the sum of the
+metrics each oriented so that larger is better, i.e. ``max`` metrics added
+and ``min`` metrics subtracted (``val/acc - val/loss`` here); each metric's
+direction is its declared one (or ``mode=[...]``, one per metric), the
+score is maximised and ``min_delta`` applies to it. A NaN in any metric is
+no improvement. All monitors must come from the same evaluation prefix. Evaluation metrics are identical on every rank,
 so every rank decides the same at the same step and the stop needs no extra
 communication (``request_stop(..., agreed=True)``); the trainer then commits
 a final checkpoint and logs the reason. The best value and the wait count
@@ -38,8 +46,10 @@ __all__ = ["EarlyStopping"]
 class EarlyStopping(HookBase):
     """Options:
 
-    monitor: the metric to watch, e.g. ``"val/acc"`` (None: only ``stop_on_zero_lr``).
-    mode: ``"max"``, ``"min"`` or None (the direction its evaluator declared).
+    monitor: the metric to watch, e.g. ``"val/acc"``, or a list of them (their sum, each
+        oriented by its direction; see the module docstring); None: only ``stop_on_zero_lr``.
+    mode: ``"max"``, ``"min"`` or None (the direction its evaluator declared); with
+        several monitors, None or a list with one of those per monitor.
     patience: evaluations in a row without improvement before stopping.
     min_delta: an improvement must beat the best by more than this.
     stop_on_zero_lr: also stop once every param group's learning rate is 0.
@@ -50,9 +60,23 @@ class EarlyStopping(HookBase):
 
     def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 5,
                  min_delta: float = 0.0, stop_on_zero_lr: bool = False):
-        if monitor is not None and (not isinstance(monitor, str) or "/" not in monitor):
-            raise ValueError(f"monitor must be a metric name like 'val/acc', got {monitor!r}")
-        if mode not in (None, "min", "max"):
+        monitors = list(monitor) if isinstance(monitor, (list, tuple)) else [monitor] if monitor is not None else []
+        if isinstance(monitor, (list, tuple)) and not monitor:
+            raise ValueError("monitor=[] watches nothing: give metric names like ['val/acc', 'val/loss'] or None")
+        if any(not isinstance(m, str) or "/" not in m for m in monitors):
+            raise ValueError(f"monitor must be a metric name like 'val/acc' or a list of them, got {monitor!r}")
+        if len(set(monitors)) != len(monitors):
+            raise ValueError(f"monitor lists a metric twice: {monitor!r}")
+        if len({m.split("/", 1)[0] for m in monitors}) > 1:
+            raise ValueError(f"monitor={monitor!r} mixes evaluation prefixes; every metric must come from the same "
+                             "evaluation (e.g. all val/*)")
+        modes = list(mode) if isinstance(mode, (list, tuple)) else [mode] * max(1, len(monitors))
+        if isinstance(mode, (list, tuple)) and len(mode) != len(monitors):
+            raise ValueError(f"mode={mode!r} must give one direction per monitor ({len(monitors)})")
+        if len(monitors) > 1 and isinstance(mode, str):
+            raise ValueError(f"mode={mode!r} with several monitors: give one direction per metric, e.g. "
+                             "mode=['max', 'min'], or None for their declared directions")
+        if any(m not in (None, "min", "max") for m in modes):
             raise ValueError(f"mode must be 'min', 'max' or None (the metric's declared direction), got {mode!r}")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be a positive integer (evaluations), got {patience!r}")
@@ -63,9 +87,12 @@ class EarlyStopping(HookBase):
         if monitor is None and not stop_on_zero_lr:
             raise ValueError("give a monitor (e.g. monitor='val/acc') or stop_on_zero_lr=True: otherwise "
                              "EarlyStopping never stops anything")
-        self.monitor, self.mode, self.patience = monitor, mode, patience
+        self.monitors, self.modes = monitors, modes[:len(monitors)]
+        self.monitor = "+".join(monitors) if monitors else None  # the watched score's name in messages
+        self.mode = self.modes[0] if len(monitors) == 1 else ("max" if monitors else mode)
+        self.patience = patience
         self.min_delta, self.stop_on_zero_lr = float(min_delta), stop_on_zero_lr
-        self.prefix = monitor.split("/", 1)[0] if monitor else None
+        self.prefix = monitors[0].split("/", 1)[0] if monitors else None
         self.best: float | None = None
         self.best_step: int | None = None
         self.wait = 0  # evaluations since the last improvement
@@ -84,21 +111,33 @@ class EarlyStopping(HookBase):
         if self.prefix not in prefixes:
             raise ConfigError(f"EarlyStopping: no evaluation publishes {self.prefix}/* metrics (monitor="
                               f"{self.monitor!r}); evaluations publish under: {', '.join(sorted(prefixes))}")
-        declared = trainer.metrics.direction(self.monitor)
-        if self.mode is None:
+        self.modes = [self._direction(name, mode, prefixes) for name, mode in zip(self.monitors, self.modes)]
+        if len(self.monitors) == 1:
+            self.mode = self.modes[0]
+        else:
+            terms = " ".join(("+" if m == "max" else "-") + name for name, m in zip(self.monitors, self.modes))
+            self.monitor = f"score({terms})"
+            trainer.logger.info(f"EarlyStopping watches {self.monitor}, the sum of its metrics oriented so that "
+                                "larger is better (maximised)")
+
+    def _direction(self, monitor: str, mode: str | None, prefixes: set) -> str:
+        """``monitor``'s direction: the declared one, or ``mode`` (which then declares it)."""
+        trainer = self.trainer
+        declared = trainer.metrics.direction(monitor)
+        if mode is None:
             if declared is None:
                 known = sorted(name for e in trainer.evaluators for p in prefixes
                                for name in (f"{p}/loss", f"{p}/{e.metric_name}") if trainer.metrics.direction(name))
-                raise ConfigError(f"EarlyStopping: metric {self.monitor!r} has no declared direction (declared: "
+                raise ConfigError(f"EarlyStopping: metric {monitor!r} has no declared direction (declared: "
                                   f"{', '.join(known) or 'none'}); monitor one of those, or set mode='max' or "
                                   "mode='min' if an evaluator publishes it")
-            self.mode = declared
-        elif declared is not None and declared != self.mode:
-            raise ConfigError(f"EarlyStopping: mode={self.mode!r} contradicts {self.monitor!r}, which its evaluator "
+            return declared
+        if declared is not None and declared != mode:
+            raise ConfigError(f"EarlyStopping: mode={mode!r} contradicts {monitor!r}, which its evaluator "
                               f"declares {declared!r} (larger is {'better' if declared == 'max' else 'worse'}); "
                               "drop mode= to use the declared direction")
-        else:
-            trainer.metrics.declare(self.monitor, self.mode)  # one direction for everyone who ranks it
+        trainer.metrics.declare(monitor, mode)  # one direction for everyone who ranks it
+        return mode
 
     # -- decisions ----------------------------------------------------------
     def improved(self, value: float) -> bool:
@@ -114,10 +153,11 @@ class EarlyStopping(HookBase):
         trainer = self.trainer
         if self.monitor is None or trainer.validation_prefix != self.prefix or trainer.validation_kind != "scheduled":
             return
-        if self.monitor not in metrics:
-            self._check_monitor_exists(metrics)
+        missing = [name for name in self.monitors if name not in metrics]
+        if missing:
+            self._check_monitor_exists(metrics, missing[0])
             return
-        value = float(metrics[self.monitor])
+        value = self.score(metrics)
         step = trainer.global_step
         if self.improved(value):
             self.best, self.best_step, self.wait = value, step, 0
@@ -130,13 +170,22 @@ class EarlyStopping(HookBase):
                                  f"{self.best_step}) for {self.wait} evaluations (patience {self.patience}, "
                                  f"min_delta {self.min_delta:g})", agreed=True)
 
-    def _check_monitor_exists(self, metrics: dict) -> None:
+    def score(self, metrics: dict) -> float:
+        """The watched value: the metric itself, or for several the sum of each
+        metric oriented so that larger is better (``max`` ones added, ``min`` ones
+        subtracted)."""
+        if len(self.monitors) == 1:
+            return float(metrics[self.monitors[0]])
+        return math.fsum(float(metrics[name]) * (1.0 if mode == "max" else -1.0)
+                         for name, mode in zip(self.monitors, self.modes))
+
+    def _check_monitor_exists(self, metrics: dict, monitor: str) -> None:
         """A monitor no evaluator produces is a config error, raised once every
         evaluator has reported at least once (evaluators may run on different
         schedules)."""
         self._keys_seen.update(k for k in metrics if k.startswith(self.prefix + "/"))
         if all(e.last_step is not None for e in self.trainer.evaluators):
-            raise ConfigError(f"EarlyStopping: no evaluator produces {self.monitor!r}; the metrics are: "
+            raise ConfigError(f"EarlyStopping: no evaluator produces {monitor!r}; the metrics are: "
                               f"{', '.join(sorted(self._keys_seen))}")
 
     def after_step(self) -> None:

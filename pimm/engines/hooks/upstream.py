@@ -79,7 +79,7 @@ _INSTEAD = {
     "ParameterCounter": "the trainer logs the number of trainable parameters at start-up",
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
     "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
-    "WandbNamer": "use_wandb=True and wandb_project; the run is named after save_path",
+    "WandbNamer": "use_wandb=True with wandb_project, wandb_run_name (default: save_path's folder), wandb_group, ...",
     "WeightDecayExclusion": "param_dicts=[dict(keyword='bias', weight_decay=0.0), ...]",
     "RuntimeProfiler": "structured_logging.enabled=True, then `pimm trace summarize RUN`",
     "GarbageHandler": "empty_cache=True / empty_cache_per_epoch=True",

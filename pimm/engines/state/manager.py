@@ -451,6 +451,20 @@ class CheckpointManager:
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
         return LoadedCheckpoint(path, manifest, common, rank_state)
 
+    def load(self, path: str | Path) -> LoadedCheckpoint:
+        """The checkpoint folder ``path`` (anywhere), verified and read on every
+        rank; a :class:`CheckpointError` saying why when any rank cannot use it."""
+        rank = comm.get_rank()
+        try:
+            loaded, error = self._try_load(Path(path), rank), None
+        except Exception as err:  # a damaged file may fail in many ways
+            loaded, error = None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        if comm.any_rank(loaded is None):
+            raise CheckpointError(f"resume={str(path)!r} cannot be used: {error or 'unreadable on another rank'}; "
+                                  "nothing was changed (pick another checkpoint folder, or resume=True for the newest "
+                                  "usable one)")
+        return loaded
+
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest checkpoint that every rank can read, or None. The ones
         passed over are in :attr:`rejected` with the reason, and logged."""

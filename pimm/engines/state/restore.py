@@ -32,7 +32,7 @@ import torch
 from pimm.engines.state.manager import CheckpointManager, LoadedCheckpoint
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["RestoreContext", "restore_latest", "flatten_config", "describe_config_changes"]
+__all__ = ["RestoreContext", "restore_latest", "restore_loaded", "flatten_config", "describe_config_changes"]
 
 # Config sections whose change between runs alters the training itself.
 _RELEVANT = ("model", "optimizer", "scheduler", "data", "param_dicts", "batch_size", "grad_accum_steps", "seed",
@@ -90,6 +90,12 @@ def restore_latest(manager: CheckpointManager, world_size: int, config_flat: dic
         logger.info(f"resume=True but {manager.directory} {what}: starting a fresh run")
         return None
 
+    return restore_loaded(manager, loaded, world_size, config_flat, logger)
+
+
+def restore_loaded(manager: CheckpointManager, loaded: LoadedCheckpoint, world_size: int, config_flat: dict,
+                   logger) -> RestoreContext:
+    """Restore every participant from ``loaded`` and report what differs."""
     context = RestoreContext(loaded)
     saved_world = loaded.manifest.get("world_size", world_size)
     manager.restore(loaded, context, skip_rank_states=saved_world != world_size)

@@ -20,6 +20,7 @@ from pimm.engines.optim import build_optimizer
 from pimm.engines.parallel import shard_model
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
 from pimm.engines.scheduler import build_scheduler
+from pimm.engines.wandb_options import wandb_init_options
 from pimm.engines.writers import MetricsWriter
 from pimm.utils.config_dict import to_plain
 from pimm.utils.errors import ConfigError
@@ -186,7 +187,9 @@ class ComponentBuilders:
 
     def build_scheduler(self):
         spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
-        return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch)
+        # scheduler_interval=N: the scheduler steps once every N updates, so the schedule has total // N steps.
+        total = max(1, self.iters_per_epoch * self.max_epoch // self.cfg.get("scheduler_interval", 1))
+        return build_scheduler(spec, self.optimizer, total_steps=total)
 
     def _scheduled_group_keys(self) -> tuple[str, ...]:
         """Group keys the scheduler sets per step (the lr, a cycled momentum)."""
@@ -210,7 +213,7 @@ class ComponentBuilders:
         cfg = self.cfg
         return MetricsWriter(
             self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,
-            wandb_init=dict(project=cfg.wandb_project, name=self.save_path.name, config=to_plain(cfg)),
+            wandb_init=wandb_init_options(cfg, self.save_path, config=to_plain(cfg)) if cfg.use_wandb else None,
             logger=self.logger,
         )
 

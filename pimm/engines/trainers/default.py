@@ -32,6 +32,7 @@ from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
                                              TrainStateParticipant)
 from pimm.engines.state.restore import flatten_config
+from pimm.engines.state.resume_from import is_checkpoint_choice, restore_from
 from pimm.engines.state.sharded import ShardedModelParticipant, ShardedOptimizerParticipant
 from pimm.engines.sync_points import host_sync
 from pimm.engines.trainer_base import TrainerBase
@@ -40,7 +41,7 @@ from pimm.engines.trainers.evaluation import Evaluation
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.logger import FILE_ONLY
-from pimm.utils.rng import derive_seed, seed_all
+from pimm.utils.rng import derive_seed, fork_rng, seed_all
 
 __all__ = ["DefaultTrainer"]
 
@@ -146,7 +147,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.track("scaler", self.scaler)
         self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                     clip_grad=cfg.clip_grad, model=self.model,
-                                    track_grad_norm=cfg.log_grad_norm)
+                                    track_grad_norm=cfg.log_grad_norm,
+                                    scheduler_interval=cfg.get("scheduler_interval", 1))
+        if self.optim_step.scheduler_interval > 1:  # where the next scheduler step falls
+            self.track("optim_step", self.optim_step)
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
@@ -200,11 +204,23 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
 
     def _restore(self) -> bool:
         cfg = self.cfg
+        if cfg.resume and cfg.get("validate_on_resume") and not (self.evaluators and cfg.evaluate):
+            raise ConfigError("validate_on_resume=True needs an evaluator hook and evaluate=True (add e.g. "
+                              "dict(type='ClsEvaluator') to hooks, or drop validate_on_resume)")
         if cfg.resume:
             with self.tracer.long_span("checkpoint_load"):
-                context = restore_latest(self.checkpointer, self.world_size, flatten_config(cfg), self.logger,
-                                         allow_fresh=cfg.resume == "allow_fresh")
+                if is_checkpoint_choice(cfg.resume):
+                    fresh_wandb_id = self.writer.wandb_run_id
+                    context = restore_from(self.checkpointer, cfg.resume, self.world_size, flatten_config(cfg),
+                                           self.logger)
+                    if context.foreign:  # a fork: its own logs from the checkpoint's step, its own W&B run
+                        self.writer.rewind(0, self.train_state.global_step)
+                        self.writer.wandb_run_id = fresh_wandb_id
+                else:
+                    context = restore_latest(self.checkpointer, self.world_size, flatten_config(cfg), self.logger,
+                                             allow_fresh=cfg.resume == "allow_fresh")
             if context is not None:
+                self._validate_resumed = bool(cfg.get("validate_on_resume"))
                 state = self.train_state
                 self._last_saved_step = state.global_step
                 if state.stop_reason:
@@ -313,7 +329,27 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.train_loader.generator.manual_seed(derive_seed(self.cfg.seed, self.rank, self.epoch, 2))
         self._data_iter = iter(self.train_loader)
 
+    _validate_resumed = False
+
+    def validate_resumed(self) -> dict:
+        """``validate_on_resume``: evaluate the resumed weights before training
+        continues, as an on-demand evaluation (``val/*`` at the resumed step; no
+        best model, no early-stopping or evaluator state change, RNG forked), so
+        the training that follows is bit-identical to a resume without it."""
+        evaluators = self.evaluators
+        last_steps = [e.last_step for e in evaluators]
+        self.logger.info(f"validate_on_resume: evaluating the resumed weights at step {self.global_step}")
+        try:
+            with fork_rng():  # also covers building the validation loader
+                return self.validate(evaluators, kind="on_demand")
+        finally:
+            for evaluator, last in zip(evaluators, last_steps):
+                evaluator.last_step = last
+
     def run_epoch(self) -> bool:
+        if self._validate_resumed:
+            self._validate_resumed = False
+            self.validate_resumed()
         self.start_epoch_data()
         try:
             return super().run_epoch()
@@ -437,6 +473,15 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             with torch.autograd.detect_anomaly():
                 return super().train()
         return super().train()
+
+    def report_failure(self, exc: BaseException) -> None:
+        """The exception to TensorBoard text and the W&B summary (rank 0)."""
+        if getattr(self, "writer", None) is None:
+            return
+        try:
+            self.writer.record_exception(exc, self.global_step)
+        except Exception as err:  # noqa: BLE001
+            self.logger.error(f"The failure could not be written to the dashboards: {err}")
 
     def close(self) -> None:
         checkpointer = getattr(self, "checkpointer", None)

@@ -208,10 +208,13 @@ class GRPOTrainer(DefaultTrainer):
         return iters * self.steps_per_rollout if self.explicit_iters_per_epoch() is not None else iters
 
     def build_scheduler(self):
-        """The schedule, sized in optimizer updates (it steps once per update, whatever a step is)."""
+        """The schedule, sized in optimizer updates (it steps once per update, whatever a step is;
+        once every ``scheduler_interval`` updates when that is set)."""
         spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
         updates_per_step = self.updates_per_rollout // self.steps_per_rollout
-        return build_scheduler(spec, self.optimizer, total_steps=self.iters_per_epoch * self.max_epoch * updates_per_step)
+        updates = self.iters_per_epoch * self.max_epoch * updates_per_step
+        return build_scheduler(spec, self.optimizer,
+                               total_steps=max(1, updates // self.cfg.get("scheduler_interval", 1)))
 
     # -- the step ------------------------------------------------------------------------
     def _sample_rollout(self, batch) -> dict:
