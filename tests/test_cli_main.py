@@ -108,7 +108,7 @@ def test_the_tools_entry_points_stay_importable():
 def test_console_scripts_are_registered():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"pimm": "pimm.cli:main", "pimm-train": "pimm.cli:train_main", "pimm-test": "pimm.cli:test_main"}
-    assert "matplotlib" in " ".join(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    assert "matplotlib>=3.7" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["plot"]
 
 
 @pytest.mark.slow

@@ -53,17 +53,35 @@ def test_parse_value_literals_and_bare_words(text, expected):
 
 @pytest.mark.parametrize("text", [
     "[1, 2", "(1,", "{'a': 1", "'unterminated", '"also',
-    "__import__('os').system('echo hi')", "dict(a=1)", "print(1)", "os.getcwd()", "[1, f(2)]",
+    "__import__('os').system('echo hi')", "dict(a=f(1))", "dict(1, a=1)", "dict(**x)", "print(1)",
+    "os.getcwd()", "[1, f(2)]",
 ])
 def test_parse_value_rejects_malformed_literals_and_calls(text):
     with pytest.raises(ConfigError, match="bad value in --options lr=.*never run as code"):
         parse_value(text, "lr")
 
 
-@pytest.mark.parametrize("word, python", [("true", "True"), ("false", "False"), ("null", "None")])
-def test_parse_value_rejects_yaml_style_constants(word, python):
-    with pytest.raises(ConfigError, match=f"write {python}"):
-        parse_value(word, "resume")
+@pytest.mark.parametrize("text, expected", [
+    ("true", True), ("false", False), ("null", None), ("none", None), ("[true, null]", [True, None]),
+    ("{'a': false}", {"a": False}), ("dict(a=1, b=true)", {"a": 1, "b": True}),
+    ('[dict(type="EMAHook", decay=0.9)]', [{"type": "EMAHook", "decay": 0.9}]),
+])
+def test_parse_value_takes_yaml_words_and_literal_dict_calls(text, expected):
+    """What YAML/Hydra users type: read as the Python literal, never run."""
+    assert parse_value(text, "k") == expected
+
+
+def test_other_spellings_of_yaml_words_say_what_to_write():
+    with pytest.raises(ConfigError, match="write True"):
+        parse_value("TRUE", "resume")
+    assert parse_value('"true"') == "true"  # quoted: the string
+
+
+def test_plus_on_a_list_appends():
+    cfg = make_cfg()
+    before = [h["type"] for h in cfg.hooks]
+    cfg.merge_from_options(['+hooks=[dict(type="EMAHook", decay=0.9)]'])
+    assert [h["type"] for h in cfg.hooks] == [*before, "EMAHook"] and cfg.hooks[-1]["decay"] == 0.9
 
 
 def test_values_are_never_executed(tmp_path):

@@ -132,12 +132,25 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case, argv, culprit):
     base = ["--config-file", str(cfg), "--time", "01:00:00", "--dry-run"]
     if "--config-file" in argv:
         base = base[2:]
+    if case == "existing_run":  # a dry run prints the script whatever is on disk; a submission is refused
+        base.remove("--dry-run")
     assert slurm.main(base + argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     assert culprit in lines[0], lines[0]
     assert captured.out == ""
+
+
+def test_a_dry_run_prints_the_script_whatever_is_on_disk(tmp_path, capsys):
+    save_path = tmp_path / "run"
+    _earlier_run(save_path)
+    before = sorted(p.name for p in save_path.iterdir())
+    cfg = _config(tmp_path, save_path)
+    assert slurm.main(["--config-file", str(cfg), "--time", "01:00:00", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH" in out and "torchrun" in out
+    assert sorted(p.name for p in save_path.iterdir()) == before  # nothing written
 
 
 def test_without_slurm_a_real_submission_says_so(tmp_path, capsys, monkeypatch):

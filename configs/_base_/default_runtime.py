@@ -60,5 +60,7 @@ hooks = [
     dict(type='IterationTimer', warmup_iter=2),
     dict(type='InformationWriter', log_frequency=20),
     dict(type='ProgressBar'),
+    dict(type='LiveControl'),
+    dict(type='OnDemandValidation'),
     dict(type='CheckpointSaver', save_freq=None, keep_last=2),
 ]

@@ -28,6 +28,7 @@ from pimm.distributed.spawn import spawn_local
 from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
+from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.engines.tracing import build_tracer
@@ -51,7 +52,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(mode: str) -> _Parser:
     parser = _Parser(prog=f"tools/{mode}.py", description=f"pimm {mode}")
-    parser.add_argument("--config-file", required=True, metavar="CFG", help="Python config file")
+    parser.add_argument("--config-file", metavar="CFG", required=mode != "train",
+                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else ""))
+    if mode == "train":
+        parser.add_argument("--resume", metavar="RUN_DIR",
+                            help="continue the run in RUN_DIR from its own recorded config.py (no --config-file "
+                                 "needed; --options still apply on top)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (what the run would use) and exit without running")
     parser.add_argument("--num-gpus", type=int, default=1, metavar="N",
                         help="local worker processes to start (nccl on CUDA, gloo on CPU)")
     parser.add_argument("--options", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
@@ -60,20 +68,54 @@ def _parser(mode: str) -> _Parser:
     return parser
 
 
-def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train",
-                check_save_path: bool = True):
-    """The validated config and its built hooks (see the module docstring for the
-    order). ``check_save_path``: refuse a fresh run over an earlier one's results
-    (the launcher does it itself once it holds the run lock)."""
-    cfg = Config.fromfile(config_file)
-    apply_runtime_defaults(cfg)
-    cfg.merge_from_options(options)
+def _config_source(args) -> tuple[str, list[str]]:
+    """The config file and options a command line names (``--resume RUN_DIR``:
+    the run's recorded config, placed where it was found)."""
+    resume_dir = getattr(args, "resume", None)
+    if resume_dir:
+        recorded, placed = run_dir_options(resume_dir)
+        return args.config_file or recorded, [*args.options, *placed]
+    if not args.config_file:
+        raise UserError("give the config with --config-file CFG" +
+                        (", or continue a run with --resume RUN_DIR" if hasattr(args, "resume") else ""))
+    return args.config_file, args.options
+
+
+def _resolve(cfg, world_size: int, mode: str):
     check_registry_dicts(cfg)
     hooks = build_hooks(cfg.hooks)
     for hook in hooks:
         hook.modify_config(cfg)
     validate_runtime(cfg, world_size)
     check_required(cfg, mode)
+    return hooks
+
+
+def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train",
+                check_save_path: bool = True):
+    """The validated config and its built hooks (see the module docstring for the
+    order). ``check_save_path``: refuse a fresh run over an earlier one's results
+    (the launcher does it itself once it holds the run lock). A resume runs
+    the file, the options the run was started with (recorded in its
+    ``config.py``) and ``options`` (:mod:`pimm.engines.resume_config`)."""
+    cfg = Config.fromfile(config_file)
+    apply_runtime_defaults(cfg)
+    cfg.merge_from_options(options)
+    cfg.set_command_options(options)
+    hooks = _resolve(cfg, world_size, mode)  # the command line itself must be valid, resume or not
+    record = None
+    if mode == "train" and cfg.resume:
+        resumed, record, note = resume_config(config_file, options, cfg, apply_runtime_defaults)
+        if record is not None:
+            cfg = resumed
+            hooks = _resolve(cfg, world_size, mode)
+    if record is not None:
+        # The file ignored or the options applied again, then every difference from the record: once, in the log.
+        changed = differences(record, cfg)
+        lines = [f"Resuming {cfg.save_path}: {note}"] if note else []
+        if changed:
+            lines.append("the config differs from the run's record in: " + "; ".join(changed))
+        object.__setattr__(cfg, "_resume_note", "; ".join(lines) or None)
     if mode == "train" and check_save_path:
         guard_fresh_run(cfg)
     elif mode == "test" and not cfg.weight:
@@ -176,7 +218,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     comm.init_distributed_from_env()
     _install_startup_signals(STANDARD_PREEMPT)
     ignore_unhandled_usr1()  # until a hook (OnDemandValidation) listens for it
-    cfg, hooks = load_config(args.config_file, args.options, comm.get_world_size(), mode, check_save_path=False)
+    cfg, hooks = load_config(*_config_source(args), comm.get_world_size(), mode, check_save_path=False)
     if mode == "train" and cfg.test_only:
         if not cfg.weight:
             raise ConfigError("test_only=True scores weights on data.test: give them with weight=PATH")
@@ -188,7 +230,10 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     _PREEMPT_NAMES[:] = cfg.preempt_signals
     _resolve_seed(cfg)
     rank = comm.get_rank()
-    if rank == 0 and mode == "train":
+    # A resume rewrites config.py only once its checkpoint is restored: a
+    # refused resume leaves the run's record as it was.
+    defer_record = mode == "train" and bool(cfg.resume) and (Path(cfg.save_path) / "config.py").is_file()
+    if rank == 0 and mode == "train" and not defer_record:
         write_config(cfg)
     logger = setup_logger(cfg.save_path, rank, log_name="train.log" if mode == "train" else "test.log")
     number = None
@@ -197,11 +242,13 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
         record = attempt.start()
         attempt_box.append(attempt)
         number = attempt.attempt
-        logger.info(f"pimm {mode}: {args.config_file} (save_path {cfg.save_path}, seed {cfg.seed})")
+        logger.info(f"pimm {mode}: {args.config_file or cfg.filename} (save_path {cfg.save_path}, seed {cfg.seed})")
         logger.info(attempt.summary(record))
         for held in lock:
             if held.took_over:
                 logger.warning(held.took_over)
+        if cfg.__dict__.get("_resume_note"):
+            logger.warning(cfg.__dict__["_resume_note"])
     number = comm.broadcast_object(number)
     tracer = None
     if mode == "train":
@@ -210,6 +257,8 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
                               job=job)
     try:
         trainer = build_trainer(cfg, mode, hooks, tracer=tracer)
+        if rank == 0 and defer_record:
+            _record_config_after_restore(trainer, cfg)
         if mode == "train":
             trainer.train()
         else:
@@ -226,6 +275,28 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     return EXIT_OK
 
 
+def _record_config_after_restore(trainer, cfg) -> None:
+    """Write ``config.py`` right after the trainer restored its checkpoint, so
+    that a resume refused while restoring leaves the run's record untouched."""
+    restore = trainer.restore
+
+    def restore_then_record():
+        restored = restore()
+        write_config(cfg)
+        return restored
+
+    trainer.restore = restore_then_record
+
+
+def _print_config(args, mode: str) -> int:
+    """``--print-config``: the config the run would use, resume included; nothing is written."""
+    cfg, _ = load_config(*_config_source(args), args.num_gpus, mode, check_save_path=False)
+    if cfg.__dict__.get("_resume_note"):
+        print(f"# {cfg.__dict__['_resume_note']}", file=sys.stderr)
+    sys.stdout.write(cfg.dump())
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None, mode: str = "train") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
@@ -235,12 +306,14 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
         args = _parser(mode).parse_args(argv)
         if args.num_gpus < 1:
             raise UserError(f"--num-gpus {args.num_gpus} is invalid: give 1 or more")
+        if args.print_config:
+            return _print_config(args, mode)
         if args.num_gpus > 1:
             if "WORLD_SIZE" in os.environ:
                 raise UserError("--num-gpus starts its own processes and cannot be combined with torchrun's "
                                 "WORLD_SIZE/RANK variables: use one or the other")
             # Validate once here, so bad input gives one error line rather than N.
-            cfg, _ = load_config(args.config_file, args.options, args.num_gpus, mode, check_save_path=False)
+            cfg, _ = load_config(*_config_source(args), args.num_gpus, mode, check_save_path=False)
             if mode != "train":
                 return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus)
             with RunLock(cfg.save_path, on_lost=_stop_writing) as parent_lock:  # held for all its ranks

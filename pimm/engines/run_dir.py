@@ -78,7 +78,10 @@ def write_config(cfg) -> Path:
             earlier = Config.fromfile(str(path))
         except UserError:
             earlier = {}
-        if {k: v for k, v in earlier.items() if k != "resume"} == {k: v for k, v in cfg.items() if k != "resume"}:
+        # A resume (or a run directory that was moved) is the same run: only
+        # another config sets the earlier record aside.
+        local = ("resume", "save_path")
+        if {k: v for k, v in earlier.items() if k not in local} == {k: v for k, v in cfg.items() if k not in local}:
             cfg.dump(str(path))
             return path
         set_aside(path)

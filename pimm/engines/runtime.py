@@ -25,6 +25,7 @@ from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.errors import ConfigError
+from pimm.utils.extras import require
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
            "render_default_runtime", "check_required", "apply_process_settings"]
@@ -34,6 +35,10 @@ DEFAULT_HOOKS = [
     dict(type="IterationTimer", warmup_iter=2),
     dict(type="InformationWriter", log_frequency=20),
     dict(type="ProgressBar"),
+    # Idle until used (a file check every few seconds, a signal handler): edit
+    # save_path/control.json, or `kill -USR1 <pid>` to evaluate now.
+    dict(type="LiveControl"),
+    dict(type="OnDemandValidation"),
     dict(type="CheckpointSaver", save_freq=None, keep_last=2),
 ]
 
@@ -273,6 +278,8 @@ def validate_runtime(cfg, world_size: int) -> None:
     if cfg.eval_epoch is not None and (cfg.eval_epoch > cfg.epoch or cfg.epoch % cfg.eval_epoch):
         raise ConfigError(f"eval_epoch={cfg.eval_epoch} must divide epoch={cfg.epoch}: the run evaluates every "
                           "epoch // eval_epoch epochs")
+    if cfg.use_wandb:
+        require("wandb", "wandb", "use_wandb=True")
     save_path = Path(cfg.save_path)
     if save_path.exists() and not save_path.is_dir():
         raise ConfigError(f"save_path={cfg.save_path!r} is a file, not a directory: choose another save_path")

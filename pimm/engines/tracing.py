@@ -12,7 +12,9 @@ with a metadata record, so any file can be read alone. One JSON object per line:
 * ``{"ph": "i", "name", "rank", "step", "epoch", "ts", "args"}``: an instant
 * ``{"ph": "C", "name", "rank", "step", "epoch", "ts", "args": {name: number}}``: a counter
 
-``ts`` is Unix time in seconds (start of the span), ``dur`` seconds; ``step``
+``ts`` is Unix time in seconds (start of the span, a whole microsecond),
+``dur`` seconds from that microsecond (so the end, too, is exact to the
+microsecond and spans nest exactly; the export relies on it); ``step``
 is the global optimizer step the record belongs to (0 before training),
 ``epoch`` is 1-based (0 before training).
 
@@ -365,9 +367,13 @@ class Tracer:
                 epoch = _int_text(epoch)
             if type(t0) is not int:
                 t0, dur = int(t0), None if dur is None else int(dur)
-            line = f'{{"ph":"{ph}",{head}{step},"epoch":{epoch},"ts":{(t0 + offset_ns) // 1000}e-6'
+            start = t0 + offset_ns
+            line = f'{{"ph":"{ph}",{head}{step},"epoch":{epoch},"ts":{start // 1000}e-6'
             if dur is not None:
-                line += f',"dur":{dur}e-9'
+                # Measured from the whole microsecond ``ts`` names, so that the
+                # end is exact in whole microseconds too: spans floored at both
+                # ends nest exactly as they ran (a few hundred ns at most added).
+                line += f',"dur":{dur + start % 1000}e-9'
             if thread is not None:
                 line += f',"thread":{json.dumps(str(thread))}'
             if args:

@@ -5,7 +5,9 @@ and ``tag: value`` pairs; non-finite values are ``null``), draws one panel per
 key with the global step on x and the runs overlaid (legend: run directory
 names). Training curves (``train/*`` except the learning rate) are drawn
 smoothed over the raw curve drawn faint; validation curves are drawn as they
-are, with markers. Values that are null, NaN, infinite or not numbers are
+are, with markers, and each run's best evaluation (highest, lowest for a
+loss or error) is marked with a star and its value in the legend. All panels
+share one step range. Values that are null, NaN, infinite or not numbers are
 skipped; a cut last line (a killed run) is skipped and reported.
 
 Default keys: ``train/loss``, ``train/lr`` and every ``val/*`` key any run has.
@@ -25,11 +27,12 @@ import sys
 from pathlib import Path
 
 from pimm.utils.errors import UserError
+from pimm.utils.extras import require
 
 from . import ToolParser, output_path, writing
 from .jsonl import read_jsonl
 
-__all__ = ["load_metrics", "smooth", "plot_runs", "main"]
+__all__ = ["load_metrics", "smooth", "plot_runs", "best_index", "is_evaluation", "main"]
 
 METRICS_FILE = "metrics.jsonl"
 _SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -107,6 +110,19 @@ def _is_smoothed(key: str) -> bool:
     return key.startswith("train/") and key != "train/lr"
 
 
+def is_evaluation(key: str) -> bool:
+    """An evaluation curve (``val/*``, ``val_ema/*``, ``test/*``), whose best point is marked."""
+    return key.split("/")[0].startswith(("val", "test"))
+
+
+def best_index(key: str, values: list[float]) -> int:
+    """Where ``values`` is best: lowest for a loss or error, highest otherwise (first on ties)."""
+    name = key.rsplit("/", 1)[-1].lower()
+    lower = any(word in name for word in ("loss", "error", "err", "nll", "perplexity", "mse", "mae"))
+    best = min(values) if lower else max(values)
+    return values.index(best)
+
+
 def _labels(runs: list[Path]) -> list[str]:
     """The shortest trailing path of each run that tells them apart."""
     parts = [p.resolve().parts for p in runs]
@@ -148,6 +164,7 @@ def plot_runs(runs, keys: list[str] | None = None, out=None, smoothing: str = "a
                 known = ", ".join(sorted(present)) or "none"
                 raise UserError(f"--keys: no run has metric {key!r} (known: {known})")
     path = _output_path(runs[0], out, overwrite)
+    require("matplotlib", "plot", "pimm plot")
 
     from matplotlib.figure import Figure  # imported here: `pimm --help` must not pay for it
 
@@ -155,6 +172,9 @@ def plot_runs(runs, keys: list[str] | None = None, out=None, smoothing: str = "a
     rows = math.ceil(len(keys) / columns)
     figure = Figure(figsize=(6.0 * columns, 3.4 * rows), dpi=100, layout="constrained")
     colors = [f"C{i % 10}" for i in range(len(runs))]
+    # One x range for every panel, so a step lines up across them.
+    plotted = [s[key][0] for s in all_series for key in keys if key in s and s[key][0]]
+    x_range = (min(min(p) for p in plotted), max(max(p) for p in plotted)) if plotted else None
     for index, key in enumerate(keys):
         axes = figure.add_subplot(rows, columns, index + 1)
         for label, series, color in zip(_labels(runs), all_series, colors):
@@ -167,10 +187,17 @@ def plot_runs(runs, keys: list[str] | None = None, out=None, smoothing: str = "a
             else:
                 marker = "o" if len(values) <= 50 else None
                 axes.plot(steps, values, color=color, linewidth=1.4, marker=marker, markersize=3, label=label)
+            if is_evaluation(key) and values:
+                at = best_index(key, values)
+                axes.plot([steps[at]], [values[at]], linestyle="none", marker="*", markersize=13, color=color,
+                          markeredgecolor="black", markeredgewidth=0.6, zorder=5,
+                          label=f"best {values[at]:.4g} @ step {steps[at]}")
+        if x_range is not None and x_range[0] < x_range[1]:
+            axes.set_xlim(*x_range)
         axes.set_title(key)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
-        if len(runs) > 1 or index == 0:
+        if len(runs) > 1 or index == 0 or is_evaluation(key):
             axes.legend(fontsize="small")
     with writing(path):
         figure.savefig(path)

@@ -132,14 +132,16 @@ class JobPlan:
     warning_signal: str
 
 
-def _load_config(config_file: str, options: list[str], world_size: int):
-    """The config as tools/train.py would load it for ``world_size`` ranks (validated)."""
+def _load_config(config_file: str, options: list[str], world_size: int, check_save_path: bool = True):
+    """The config as tools/train.py would load it for ``world_size`` ranks (validated).
+    ``check_save_path``: refuse a fresh run over an earlier one (not for ``--dry-run``,
+    which prints the script whatever is on disk)."""
     from pimm.cli import register_all
     from pimm.engines.launch import load_config
 
     register_all()  # the config may name any registered model, data set, evaluator
 
-    loaded = load_config(config_file, options, world_size, "train")
+    loaded = load_config(config_file, options, world_size, "train", check_save_path=check_save_path)
     return loaded[0] if isinstance(loaded, tuple) else loaded
 
 
@@ -180,7 +182,7 @@ def plan(args) -> JobPlan:
 
     nproc = args.gpus_per_node or args.procs_per_node or 1
     world_size = args.nodes * nproc
-    cfg = _load_config(str(config_file), args.options, world_size)
+    cfg = _load_config(str(config_file), args.options, world_size, check_save_path=not args.dry_run)
     from pimm.engines.runtime import RUNTIME_DEFAULTS
 
     if cfg.save_path == RUNTIME_DEFAULTS["save_path"]:
@@ -191,7 +193,7 @@ def plan(args) -> JobPlan:
     # An absolute path is never a Python literal, so it stays a string unquoted.
     kept = [o for o in args.options if o.partition("=")[0].strip() != "save_path"]  # replaced by the absolute one
     options = [*kept, f"save_path={save_path}", f"preempt_signals={json.dumps(signals)}"]
-    _load_config(str(config_file), options, world_size)  # the job's exact options validate too
+    _load_config(str(config_file), options, world_size, check_save_path=not args.dry_run)  # the job's options too
 
     workers_per_rank = cfg.num_worker // world_size
     parameters = dict(

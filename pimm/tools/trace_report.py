@@ -194,7 +194,8 @@ def summarize(run: str | Path) -> str:
 
 # -- export -------------------------------------------------------------------------
 def chrome_events(trace: Trace) -> list[dict]:
-    """Chrome trace events (pid = rank, tid = a track per attempt and thread, times in us)."""
+    """Chrome trace events (pid = rank, tid = a track per attempt and thread, times
+    in whole microseconds: start and end exact, so the slices of a thread nest)."""
     events: list[dict] = []
     tracks: dict[tuple, int] = {}  # (rank, attempt, pid, thread) -> tid, numbered per rank
 
@@ -219,15 +220,19 @@ def chrome_events(trace: Trace) -> list[dict]:
                 continue
             if ph == "B" and (record.get("name"), ts) not in open_keys:
                 continue  # its X carries the whole span
+            start = round(ts * 1e6)  # whole microseconds, as recorded
             event = {"name": str(record.get("name")), "ph": ph, "pid": pid, "tid": track(process, record.get("thread")),
-                     "ts": ts * 1e6}
+                     "ts": start}
             args = record.get("args") if isinstance(record.get("args"), dict) else {}
             if ph == "C":
                 event["args"] = {k: v for k, v in args.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             else:
                 event["args"] = {"step": record.get("step"), "epoch": record.get("epoch"), **args}
             if ph == "X":
-                event["dur"] = float(record.get("dur") or 0.0) * 1e6
+                # Integer start and end: a span that ran inside another stays
+                # inside it (float µs, rounded only at the start, did not).
+                dur_ns = round(float(record.get("dur") or 0.0) * 1e9)
+                event["dur"] = max(0, dur_ns // 1000)
             elif ph == "i":
                 event["s"] = "t"
             events.append(event)

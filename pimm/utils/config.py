@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import sys
 import traceback
@@ -29,6 +30,7 @@ __all__ = ["Config", "ConfigDict", "ConfigError"]
 
 
 BASE_KEY = "_base_"
+OPTIONS_HEADER = "# options: "
 DELETE_KEY = "_delete_"
 IMPORTS_KEY = "custom_imports"
 
@@ -68,6 +70,34 @@ class Config(ConfigDict):
         merge_options(self, tokens)
 
     @property
+    def command_options(self) -> list[str]:
+        """The ``--options`` of the command line(s) that made this config, in
+        order; written into the header of a dumped file, so that a resume can
+        apply a run's own overrides again (:mod:`pimm.engines.resume_config`)."""
+        return list(self.__dict__.get("_options", ()))
+
+    def set_command_options(self, tokens) -> None:
+        """Record the ``--options`` tokens that made this config (see :attr:`command_options`)."""
+        object.__setattr__(self, "_options", [str(t) for t in tokens])
+
+    @classmethod
+    def recorded_options(cls, path: str | os.PathLike) -> list[str] | None:
+        """The options in a dumped file's header, or None when it has none."""
+        try:
+            with open(path, encoding="utf-8") as handle:
+                head = [handle.readline() for _ in range(2)]
+        except (OSError, UnicodeDecodeError):
+            return None
+        for line in head:
+            if line.startswith(OPTIONS_HEADER):
+                try:
+                    tokens = json.loads(line[len(OPTIONS_HEADER):])
+                except ValueError:
+                    return None
+                return [str(t) for t in tokens] if isinstance(tokens, list) else None
+        return None
+
+    @property
     def pretty_text(self) -> str:
         """The config as Python source, for logs (never raises)."""
         return _to_source(self, strict=False)
@@ -76,6 +106,8 @@ class Config(ConfigDict):
         """Return the config as a Python file that ``Config.fromfile`` loads
         back to an equal config, and write it to ``path`` if given."""
         text = f"# pimm config{f' (resolved from {self.filename})' if self.filename else ''}\n"
+        if self.command_options:
+            text += f"{OPTIONS_HEADER}{json.dumps(self.command_options)}\n"
         text += _to_source(self, strict=True)
         if path is not None:
             path = Path(path)

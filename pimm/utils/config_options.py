@@ -26,11 +26,43 @@ _CALL = re.compile(r"[A-Za-z_][\w.]*\s*\(")
 _NOT_PYTHON = {"true": "True", "false": "False", "none": "None", "null": "None"}
 
 
+_WORDS = {"true": True, "false": False, "null": None, "none": None}
+
+
+class _Habits(ast.NodeTransformer):
+    """What YAML / Hydra users type, as literals: ``true``/``false``/``null``
+    (also inside lists and dicts) and ``dict(k=v, ...)`` with literal values.
+    Only rewrites the syntax tree; nothing is ever run."""
+
+    def visit_Name(self, node):
+        if node.id in _WORDS:
+            return ast.copy_location(ast.Constant(_WORDS[node.id]), node)
+        return node
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if (isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return ast.copy_location(ast.Dict([ast.Constant(k.arg) for k in node.keywords],
+                                              [k.value for k in node.keywords]), node)
+        return node
+
+
+def _literal_with_habits(text: str) -> Any:
+    tree = ast.parse(text.strip(), mode="eval")
+    return ast.literal_eval(_Habits().visit(tree))
+
+
 def parse_value(text: str, key: str = "value") -> Any:
     """A Python literal, or the text itself if it is a bare word such as
-    ``exp/run1``; never evaluated as code."""
+    ``exp/run1``; never evaluated as code. ``true``/``false``/``null`` and
+    ``dict(a=1)`` are read as ``True``/``False``/``None`` and ``{'a': 1}``."""
     try:
         return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    try:
+        return _literal_with_habits(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as err:
         stripped = text.strip()
         if _CALL.search(stripped):
@@ -135,7 +167,7 @@ def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[
     every dict entry whose ``type`` equals it. Without ``is_new`` the key must
     exist (in at least one selected entry) or be a parameter of the
     registry-built dict it goes into; with it, missing parents are created as
-    dicts. Each target gets its own copy of ``value``. Returns the paths set,
+    dicts, and a list value on a list the config has is appended to it. Each target gets its own copy of ``value``. Returns the paths set,
     with list entries by index (``hooks.4.save_freq``)."""
     segments = key.split(".")
     targets: list[tuple[Any, str, str]] = [(cfg, "", "")]  # node, path as written, path by index
@@ -150,6 +182,11 @@ def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[
                 name = seg if seg in node else int(seg) if _INT.fullmatch(seg) and int(seg) in node else None
                 if name is None:
                     missing.append((node, here, where))
+                elif last and is_new and isinstance(node[name], list) and isinstance(value, (list, tuple)):
+                    # ``+hooks=[dict(type="EMAHook")]``: ``+`` on a list the config has appends to it.
+                    start = len(node[name])
+                    node[name].extend(to_config_value(copy.deepcopy(v)) for v in value)
+                    written += [_join(where, f"{name}.{i}") for i in range(start, len(node[name]))]
                 elif last:
                     node[name] = copy.deepcopy(value)
                     written.append(_join(where, str(name)))

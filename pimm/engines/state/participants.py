@@ -15,7 +15,7 @@ import torch
 from pimm.engines.data import train_sampler
 from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
 from pimm.engines.state.weights import strip_wrapper_prefixes
-from pimm.utils.errors import CheckpointError
+from pimm.utils.errors import CheckpointError, ConfigError
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["apply_configured_groups", "ModelParticipant", "OptimizerParticipant", "SchedulerParticipant", "TrainStateParticipant",
@@ -116,6 +116,14 @@ class SchedulerParticipant:
         for key in ("total_steps", "warmup_steps", "milestones", "gamma", "power"):
             if key in state and hasattr(self.scheduler, key) and state[key] != getattr(self.scheduler, key):
                 context.config_wins(f"scheduler {key}", state[key], getattr(self.scheduler, key))
+        total, done = getattr(self.scheduler, "total_steps", None), state.get("last_epoch")
+        if isinstance(total, int) and isinstance(done, int) and done > total:
+            # Checked here, before the schedule is asked for an lr it cannot give.
+            raise ConfigError(
+                f"resume: the LR schedule now lasts {total} optimizer steps but the run is already at step {done} "
+                f"(the checkpoint's schedule had {state.get('total_steps', '?')}): epoch, batch_size, the data size "
+                "or the world size now give fewer steps than the run has done. Resume without those overrides "
+                "(the run's own config.py is used), or raise epoch (nothing was changed)")
         self.scheduler.load_state_dict(state)
 
 
