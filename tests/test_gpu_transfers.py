@@ -198,5 +198,5 @@ def test_batches_are_copied_to_the_device_without_blocking(monkeypatch):
 
     fake = type("T", (), {"device": torch.device("cuda", 0)})()
     batch = {"x": torch.ones(2).as_subclass(Recorder), "offset": torch.tensor([2]).as_subclass(Recorder), "n": 3}
-    out = DefaultTrainer._to_device(fake, batch)
+    out = DefaultTrainer.to_device(fake, batch)
     assert calls == [True, True] and out["n"] == 3

@@ -193,10 +193,9 @@ class ValidationProbe(HookBase):
         if self.trainer.global_step == self.at:
             self.trainer.validate(kind="on_demand")
 
-    def after_val(self, metrics):
+    def after_val(self, metrics, run):
         prefixes = sorted({k.split("/")[0] for k in metrics})
-        self.seen.append((self.trainer.global_step, self.trainer.validation_prefix, self.trainer.validation_kind,
-                          prefixes))
+        self.seen.append((self.trainer.global_step, run.prefix, run.kind, prefixes))
 
 
 def test_on_demand_evaluations_also_score_the_average_and_hooks_after_it_see_the_outer_evaluation(tmp_path):

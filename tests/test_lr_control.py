@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pimm.engines import scale_lr
+from pimm.engines.hooks.base import EvalRun
 from pimm.engines.hooks.lr_plateau import counts_for_plateau
 from pimm.engines.optim import build_optimizer
 from pimm.engines.scheduler import MIN_LR_SCALE, build_scheduler
@@ -156,8 +157,7 @@ def plateau_hook(tmp_path, patience=0, extra=""):
 
 
 def evaluate(trainer, hook, value, kind="scheduled", prefix="val"):
-    trainer.validation_kind, trainer.validation_prefix = kind, prefix
-    hook.after_val({"val/acc": value})
+    hook.after_val({"val/acc": value}, EvalRun(kind=kind, prefix=prefix, step=trainer.global_step))
 
 
 def test_only_scheduled_evaluations_of_the_monitor_prefix_count(tmp_path):
@@ -170,11 +170,10 @@ def test_only_scheduled_evaluations_of_the_monitor_prefix_count(tmp_path):
     assert trainer.scheduler.lr_scale == 1.0 and hook.best == 0.9
     evaluate(trainer, hook, 0.9)  # equal is no improvement
     assert trainer.scheduler.lr_scale == 0.5 and trainer.optimizer.param_groups[0]["lr"] == start * 0.5
-    # The frozen ``run`` description, when the engine passes one, decides instead.
-    run = type("Run", (), {"kind": "on_demand", "prefix": "val"})()
-    assert not counts_for_plateau(trainer, "val", run)
-    run.kind = "scheduled"
-    assert counts_for_plateau(trainer, "val", run) and not counts_for_plateau(trainer, "val_ema", run)
+    # The frozen ``run`` description decides.
+    assert not counts_for_plateau(EvalRun(kind="on_demand", prefix="val", step=0), "val")
+    run = EvalRun(kind="scheduled", prefix="val", step=0)
+    assert counts_for_plateau(run, "val") and not counts_for_plateau(run, "val_ema")
 
 
 def test_patience_cooldown_threshold_and_min_lr(tmp_path):

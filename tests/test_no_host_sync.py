@@ -32,14 +32,14 @@ def watched_train(trainer, monkeypatch) -> SyncWatch:
     to its device are the device tensors."""
     model = trainer.model_without_ddp
     mark(list(model.parameters()) + list(model.buffers()))
-    to_device = trainer._to_device
+    to_device = trainer.to_device
 
     def to_device_marked(batch):
         batch = to_device(batch)
         mark(batch)
         return batch
 
-    monkeypatch.setattr(trainer, "_to_device", to_device_marked)
+    monkeypatch.setattr(trainer, "to_device", to_device_marked)
     watch = SyncWatch()
     monkeypatch.setattr(torch.cuda, "synchronize", watch.cuda_synchronize)
     with watch:

@@ -34,8 +34,8 @@ class BestProbe(HookBase):
 
     events = []
 
-    def after_val(self, metrics):
-        self.events.append((self.trainer.global_step, self.trainer.validation_kind, self.trainer.metrics.best.step))
+    def after_val(self, metrics, run):
+        self.events.append((self.trainer.global_step, run.kind, self.trainer.metrics.best.step))
 
 
 SMALL = """

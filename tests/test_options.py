@@ -301,8 +301,8 @@ def test_missing_dict_on_the_way_is_not_created_without_plus():
 
 def test_constructor_taking_kwargs_accepts_any_key():
     cfg = rings()
-    cfg.merge_from_options(["train.type=InsegTrainer", "train.anything_goes=1"])  # InsegTrainer(cfg, ..., **options)
-    assert cfg.train == {"type": "InsegTrainer", "anything_goes": 1}
+    cfg.merge_from_options(["train.type=MultiDatasetTrainer", "train.anything_goes=1"])  # (cfg, ..., **options)
+    assert cfg.train == {"type": "MultiDatasetTrainer", "anything_goes": 1}
 
 
 def test_type_change_validates_later_keys_against_the_new_type():

@@ -261,7 +261,7 @@ def test_evaluate_path(kind):
         expected = {**INSEG_AGNOSTIC, **INSEG_PER_CLASS}
     model = FixedModel([out for _, out in pairs], losses=[1.0, 2.0])
     model.train()
-    evaluator.trainer = fake_trainer(autocast=contextlib.nullcontext, _to_device=lambda batch: batch)
+    evaluator.trainer = fake_trainer(autocast=contextlib.nullcontext, to_device=lambda batch: batch)
     loader = [inp for inp, _ in pairs]
     metrics = evaluator.evaluate(loader, model)  # the model the trainer hands over
     assert_metrics(metrics, expected)

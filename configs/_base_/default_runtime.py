@@ -12,6 +12,7 @@ resume = False  # continue from the newest complete checkpoint; 'allow_fresh' al
 validate_on_resume = False  # a resumed run evaluates its weights (val/* at the resumed step) before training continues
 scheduler_interval = 1  # optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)
 weight = None  # warm-start weights (a .pth file)
+weight_key_map = None  # warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys
 evaluate = True  # run the evaluator hooks
 enable_amp = False  # mixed precision (autocast)
 amp_dtype = 'bfloat16'  # 'float16' needs CUDA (uses a GradScaler)

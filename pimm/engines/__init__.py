@@ -9,7 +9,7 @@ Users import from here::
 from pimm.engines.registries import (COLLATE_FNS, DATASETS, HOOKS, MODELS, OPTIMIZERS, SCHEDULERS, TRAINERS,
                                      TRANSFORMS)
 from pimm.engines.hooks import *  # noqa: F401,F403  (registers the built-in hooks)
-from pimm.engines.hooks import EvaluatorBase, HookBase
+from pimm.engines.hooks import EvalRun, EvaluatorBase, HookBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.optim_step import OptimStep, StepResult
 from pimm.engines.scheduler import scale_lr
@@ -18,4 +18,4 @@ from pimm.engines.trainers import DefaultTrainer, GRPOTrainer, ImageClassTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",
            "TrainerBase", "DefaultTrainer", "GRPOTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer", "HookBase",
-           "EvaluatorBase", "MetricChannel", "OptimStep", "StepResult", "scale_lr"]
+           "EvalRun", "EvaluatorBase", "MetricChannel", "OptimStep", "StepResult", "scale_lr"]

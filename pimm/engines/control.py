@@ -109,6 +109,7 @@ class StopControl:
 
     # -- requests -------------------------------------------------------
     def request(self, reason: str, agreed: bool = False) -> None:
+        """Record a stop request (the first reason wins); ``agreed``: every rank asks at the same step."""
         if self.reason is None:
             self.reason = reason
         self._agreed = self._agreed or agreed
@@ -159,6 +160,7 @@ class StopControl:
         return True
 
     def describe(self) -> str:
+        """Why the run stops, in words (for logs and the attempt record)."""
         if self.preempted:
             return f"pre-empted by {self._signal_name or 'a signal on another rank'}"
         return self.reason or "stop requested"

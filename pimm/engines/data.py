@@ -87,6 +87,7 @@ def _sample_error(dataset, index, err: Exception) -> DataSampleError:
 
 
 def worker_init_fn(worker_id: int) -> None:
+    """In a data-loading worker: ignore the pre-emption signals (the main process handles them)."""
     for name in _PREEMPTION_SIGNALS:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)

@@ -55,6 +55,7 @@ def _checkpointed_class(cls: type) -> type:
 
 
 def is_checkpointed(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s activations are recomputed in backward."""
     return getattr(type(module), "_pimm_checkpointed", False)
 
 

@@ -39,7 +39,7 @@ from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.logger import FILE_ONLY, log_file, setup_logger
 from pimm.utils.run_lock import RunLock
 
-__all__ = ["main", "load_config", "build_trainer"]
+__all__ = ["main", "load_config", "prepare_config", "build_trainer", "build_tester"]
 
 EXIT_INTERRUPTED = 130
 
@@ -81,16 +81,6 @@ def _config_source(args) -> tuple[str, list[str]]:
     return args.config_file, args.options
 
 
-def _resolve(cfg, world_size: int, mode: str):
-    check_registry_dicts(cfg)
-    hooks = build_hooks(cfg.hooks)
-    for hook in hooks:
-        hook.modify_config(cfg)
-    validate_runtime(cfg, world_size)
-    check_required(cfg, mode)
-    return hooks
-
-
 def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train",
                 check_save_path: bool = True):
     """The validated config and its built hooks (see the module docstring for the
@@ -102,13 +92,13 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
     cfg.set_command_options(options)
-    hooks = _resolve(cfg, world_size, mode)  # the command line itself must be valid, resume or not
+    hooks = prepare_config(cfg, world_size, mode)  # the command line itself must be valid, resume or not
     record = None
     if mode == "train" and cfg.resume:
         resumed, record, note = resume_config(config_file, options, cfg, apply_runtime_defaults)
         if record is not None:
             cfg = resumed
-            hooks = _resolve(cfg, world_size, mode)
+            hooks = prepare_config(cfg, world_size, mode)
     if record is not None:
         # The file ignored or the options applied again, then every difference from the record: once, in the log.
         changed = differences(record, cfg)
@@ -123,12 +113,43 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     return cfg, hooks
 
 
+def prepare_config(cfg, world_size: int, mode: str = "train") -> list:
+    """Complete and check a config in place, in the one start-up order of the
+    command line and of a trainer built from Python (``DefaultTrainer(cfg)``):
+    the runtime defaults for keys it leaves out, the registry dicts, the hooks
+    built and each one's ``modify_config``, then validation of every runtime
+    key and of what ``mode`` ("train" or "test") cannot do without. Returns the
+    built hooks. Bad input is a ConfigError naming the key."""
+    if mode not in ("train", "test"):
+        raise ConfigError(f"mode must be 'train' or 'test', got {mode!r}")
+    apply_runtime_defaults(cfg)
+    check_registry_dicts(cfg)
+    hooks = build_hooks(cfg.hooks)
+    for hook in hooks:
+        hook.modify_config(cfg)
+    validate_runtime(cfg, world_size)
+    check_required(cfg, mode)
+    return hooks
+
+
 def build_trainer(cfg, mode: str = "train", hooks=None, tracer=None):
-    train_cfg = dict(cfg.train)
-    extra = {"mode": "test"} if mode == "test" else {}
-    if tracer is not None:
-        extra["tracer"] = tracer
-    return TRAINERS.build(dict(train_cfg, cfg=cfg, hooks=hooks, **extra))
+    """The trainer ``cfg.train`` names, built with its options (``mode="test"``:
+    the :class:`~pimm.engines.testers.Tester` instead, see :func:`build_tester`).
+    ``hooks``: those :func:`load_config` built (None: the trainer prepares the
+    config itself)."""
+    if mode == "test":
+        return build_tester(cfg, hooks)
+    extra = {"tracer": tracer} if tracer is not None else {}
+    return TRAINERS.build(dict(cfg.train, cfg=cfg, hooks=hooks, **extra))
+
+
+def build_tester(cfg, hooks=None):
+    """The :class:`~pimm.engines.testers.Tester` for ``cfg`` (``tools/test.py``,
+    ``test_only=True``), collating as the trainer ``cfg.train`` names."""
+    from pimm.engines.testers import Tester
+
+    options = {k: v for k, v in dict(cfg.train).items() if k in ("collate_fn", "val_collate_fn")}
+    return Tester(cfg, hooks=hooks, **options)
 
 
 def _resume_after_elastic_restart(cfg) -> None:
@@ -298,6 +319,11 @@ def _print_config(args, mode: str) -> int:
 
 
 def main(argv: list[str] | None = None, mode: str = "train") -> int:
+    """The command line of ``tools/train.py`` (``mode="train"``) and
+    ``tools/test.py`` (``mode="test"``): parse ``argv`` (default ``sys.argv[1:]``),
+    start ``--num-gpus`` local processes or run in this one, and return the exit
+    code (see the module docstring: 0, 2, 75, 1, 130). Never raises for bad
+    input: it prints one ``error:`` line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
     attempt_box: list = []

@@ -99,6 +99,7 @@ class BestMetric:
     step: int | None = None
 
     def is_better(self, value: float) -> bool:
+        """Whether ``value`` beats the best so far in this metric's direction (NaN never does)."""
         if value is None or math.isnan(value):
             return False
         if self.value is None:
@@ -195,7 +196,12 @@ class MetricChannel:
             raise ConfigError(f"metric {name!r} is declared both {known!r} and {mode!r}: one metric has one direction")
         self._directions[name] = mode
 
+    def declared(self) -> dict[str, str]:
+        """Every declared metric name with its direction (a copy)."""
+        return dict(self._directions)
+
     def direction(self, name: str) -> str | None:
+        """``"min"`` or ``"max"`` as declared for ``name``, or None."""
         return self._directions.get(name)
 
     def track_best(self, name: str) -> None:
@@ -213,9 +219,11 @@ class MetricChannel:
         return True
 
     def state_dict(self) -> dict:
+        """The best value (name, mode, value, step)."""
         return {"best": dict(name=self.best.name, mode=self.best.mode, value=self.best.value, step=self.best.step)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take back the best value (when it names the same metric)."""
         best = state.get("best") or {}
         if best.get("name") is not None and best["name"] == self.best.name:
             self.best.value, self.best.step = best.get("value"), best.get("step")

@@ -129,6 +129,7 @@ class OptimStep:
         self.updates = int(state["updates"])
 
     def zero_grad(self) -> None:
+        """Drop the gradients (set to None)."""
         self.optimizer.zero_grad(set_to_none=True)
 
 

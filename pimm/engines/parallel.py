@@ -58,6 +58,7 @@ class ParallelConfig:
 
     @property
     def fsdp(self) -> bool:
+        """Whether the strategy is FSDP sharding."""
         return self.strategy == "fsdp"
 
 

@@ -148,6 +148,7 @@ class AttemptRecord:
         append_jsonl(self.path, record)
 
     def start(self) -> dict:
+        """Append the attempt's start record (versions, git state, world size) and return it."""
         import pimm
 
         self.start_time = time.time()
@@ -164,6 +165,7 @@ class AttemptRecord:
         return record
 
     def end(self, exit_reason: str, exit_code: int) -> None:
+        """Append the attempt's end record (reason, exit code, duration)."""
         if self.start_time is None:
             return
         now = time.time()
@@ -172,6 +174,7 @@ class AttemptRecord:
                       "exit_code": exit_code})
 
     def summary(self, record: dict) -> str:
+        """One log line describing the start ``record``."""
         git = record.get("git") or {}
         commit = f"{git['commit'][:10]}{' (dirty ' + git['diff_sha256'] + ')' if git.get('dirty') else ''}" \
             if git else "not a git checkout"

@@ -136,6 +136,19 @@ def _patterns_or_none(key, value):
     return list(value)
 
 
+def _key_map(key, value):
+    if value is None:
+        return value
+    try:
+        pairs = [(old, new) for old, new in value]
+    except (TypeError, ValueError):
+        pairs = None
+    if pairs is None or not all(isinstance(part, str) for pair in pairs for part in pair):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a list of [old_prefix, new_prefix] pairs, "
+                          "e.g. [['module.', '']], or None")
+    return [list(pair) for pair in pairs]
+
+
 def _hooks(key, value):
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"hooks must be a list of dict(type=...), got {type(value).__name__}")
@@ -202,6 +215,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("scheduler_interval", 1, _int(1),
                "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
     RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
+    RuntimeKey("weight_key_map", None, _key_map,
+               "warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
     RuntimeKey("enable_amp", False, _bool, "mixed precision (autocast)"),
     RuntimeKey("amp_dtype", "bfloat16", _choice("bfloat16", "float16"), "'float16' needs CUDA (uses a GradScaler)"),

@@ -102,31 +102,34 @@ class NullTracer:
     now = staticmethod(float)
 
     def complete(self, name, t0, args=None, thread=None):
+        """Does nothing (:meth:`Tracer.complete` when tracing is on)."""
         return 0.0
 
     def span(self, name, **args):
+        """Does nothing (:meth:`Tracer.span` when tracing is on)."""
         return _NULL_SPAN
 
     def long_span(self, name, **args):
+        """Does nothing (:meth:`Tracer.long_span` when tracing is on)."""
         return _NULL_SPAN
 
     def begin(self, name, **args):
-        pass
+        """Does nothing (:meth:`Tracer.begin` when tracing is on)."""
 
     def end(self, name, **args):
-        pass
+        """Does nothing (:meth:`Tracer.end` when tracing is on)."""
 
     def instant(self, name, **args):
-        pass
+        """Does nothing (:meth:`Tracer.instant` when tracing is on)."""
 
     def counter(self, name, **values):
-        pass
+        """Does nothing (:meth:`Tracer.counter` when tracing is on)."""
 
     def flush(self):
-        pass
+        """Does nothing (:meth:`Tracer.flush` when tracing is on)."""
 
     def close(self):
-        pass
+        """Does nothing (:meth:`Tracer.close` when tracing is on)."""
 
 
 class _NullSpan:

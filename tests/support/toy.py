@@ -155,10 +155,10 @@ class PhaseRecorder(HookBase):
         grads = [p.grad for p in self.trainer.model_without_ddp.parameters()]
         self._add("after_backward", all(g is not None for g in grads))
 
-    def before_val(self):
-        self._add("before_val", self.trainer.validation_prefix)
+    def before_val(self, run):
+        self._add("before_val", run.prefix)
 
-    def after_val(self, metrics):
+    def after_val(self, metrics, run):
         self._add("after_val", tuple(sorted(metrics)))
 
     def before_save_checkpoint(self):
@@ -354,8 +354,11 @@ class ScriptedEvaluator(EvaluatorBase):
     def accumulators(self):
         return {}
 
+    def before_val(self, run):
+        self._prefix = run.prefix  # the evaluation compute() is about to score
+
     def compute(self, totals):
-        if self.trainer.validation_prefix == "val":
+        if self._prefix == "val":
             self.calls += 1
         return {"score": float(self.values[min(self.calls, len(self.values)) - 1])}
 

@@ -1,7 +1,7 @@
 """Hooks that ship with the engine. Each owns one job; see ``base`` for the contract
 and docs/hooks.md for every hook's options and an example."""
 
-from pimm.engines.hooks.base import PRIORITIES, HookBase
+from pimm.engines.hooks.base import PRIORITIES, EvalRun, HookBase
 from pimm.engines.hooks.checkpoint import CheckpointLoader, CheckpointSaver
 from pimm.engines.hooks.early_stopping import EarlyStopping
 from pimm.engines.hooks.ema import EMAHook
@@ -16,7 +16,7 @@ from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
 from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
 
-__all__ = ["HookBase", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
+__all__ = ["HookBase", "EvalRun", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
            "EvaluatorBase", "InformationWriter", "IterationTimer", "NaNGuard", "NonFiniteStep", "ProgressBar",
            "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation",
            "ReduceLROnPlateau"]

@@ -28,12 +28,20 @@ values through ``self.trainer.metrics`` (:mod:`pimm.engines.metrics`).
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
 
-__all__ = ["HookBase", "PRIORITIES", "get_priority", "build_hooks"]
+__all__ = ["HookBase", "EvalRun", "EVAL_KINDS", "PRIORITIES", "get_priority", "build_hooks"]
+
+#: Why an evaluation runs: ``scheduled`` (an evaluator's interval),
+#: ``final`` (the weights training ended with, unless just scored),
+#: ``on_demand`` (a signal or live control: metrics only, no best model,
+#: no decision, no evaluator schedule moves).
+EVAL_KINDS = ("scheduled", "final", "on_demand")
 
 PRIORITIES = {
     "HIGHEST": 0,
@@ -62,6 +70,37 @@ def get_priority(priority: int | str) -> int:
     if isinstance(priority, str) and priority.upper() in PRIORITIES:
         return PRIORITIES[priority.upper()]
     raise ValueError(f"hook priority must be an int 0..100 or one of {list(PRIORITIES)}, got {priority!r}")
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """Which evaluation ``before_val`` / ``after_val`` are about.
+
+    ``kind``: why it runs (:data:`EVAL_KINDS`). ``prefix``: the metrics'
+    prefix (``val/acc``). ``step``: the global step of the weights.
+    ``model``: the module being scored. ``evaluators``: the evaluator hooks
+    that score it. ``weights``: whose weights they are, ``"trained"`` for
+    the model being trained, otherwise the label of the hook that asked
+    (``"ema"`` for EMAHook). An evaluation of other weights keeps the kind of
+    the evaluation it follows, so an EMA evaluation after a scheduled one is
+    ``scheduled`` too (EarlyStopping on ``val_ema/...`` counts it).
+    """
+
+    kind: str
+    prefix: str
+    step: int
+    model: Any = None
+    evaluators: tuple = ()
+    weights: str = "trained"
+
+    def __post_init__(self):
+        if self.kind not in EVAL_KINDS:
+            raise ValueError(f"EvalRun kind must be one of {EVAL_KINDS}, got {self.kind!r}")
+
+    @property
+    def of_trained_weights(self) -> bool:
+        """True when the model being trained is what is scored."""
+        return self.weights == "trained"
 
 
 class HookBase:
@@ -101,11 +140,12 @@ class HookBase:
     def on_exception(self, exc: BaseException) -> None:
         """Training failed with ``exc`` (called before ``after_train``)."""
 
-    def before_val(self) -> None:
-        """An evaluation starts (``trainer.eval_model`` is what will be evaluated)."""
+    def before_val(self, run: EvalRun) -> None:
+        """An evaluation starts; ``run`` says which (kind, prefix, step, model)."""
 
-    def after_val(self, metrics: dict) -> None:
-        """An evaluation finished; ``metrics`` maps prefixed names (``val/mIoU``) to values."""
+    def after_val(self, metrics: dict, run: EvalRun) -> None:
+        """An evaluation finished; ``metrics`` maps prefixed names (``val/mIoU``) to
+        values, ``run`` says which evaluation it was."""
 
     def before_save_checkpoint(self) -> None:
         """A checkpoint is about to be collected."""
@@ -114,16 +154,50 @@ class HookBase:
         """The trainer restored a checkpoint or warm-start weights."""
 
     def state_dict(self) -> dict:
+        """This hook's state, saved in every checkpoint (per rank); empty by default."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """Take back what :meth:`state_dict` returned (on resume, before ``before_train``)."""
 
     def overrides(self, phase: str) -> bool:
+        """True when this hook's class implements ``phase`` (only those are dispatched)."""
         return getattr(type(self), phase) is not getattr(HookBase, phase)
+
+    def phase_callable(self, phase: str):
+        """The callable the trainer dispatches ``phase`` to, decided once when the
+        hook is registered. Hooks written for the earlier ``before_val(self)`` /
+        ``after_val(self, metrics)`` signatures are adapted here (the run object
+        is dropped), so they keep working without a per-call check."""
+        fn = getattr(self, phase)
+        wanted = _VAL_ARITY.get(phase)
+        if wanted is None or _positional_arity(fn) >= wanted:
+            return fn
+        if phase == "before_val":
+            def adapted(run):
+                return fn()
+        else:
+            def adapted(metrics, run):
+                return fn(metrics)
+        adapted.__self__ = self  # dispatch introspection (which hook a phase calls) keeps working
+        return adapted
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority={self.priority})"
+
+
+_VAL_ARITY = {"before_val": 1, "after_val": 2}
+
+
+def _positional_arity(fn) -> int:
+    """How many positional arguments a bound method takes (a ``*args`` counts as many)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 99
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 99
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 def build_hooks(hook_cfgs) -> list[HookBase]:

@@ -1,7 +1,9 @@
 """Checkpoint hooks: CheckpointSaver decides *when* to save and which
-checkpoints to keep; CheckpointLoader carries the warm-start options. The
-trainer does the saving and restoring itself (``trainer.save_checkpoint()``,
-and the restore before ``before_train``)."""
+checkpoints to keep, and configures the trainer's checkpoint manager
+(``trainer.checkpointer``) with that policy itself; CheckpointLoader carries
+the warm-start key map into the config (``weight_key_map``). The trainer does
+the saving and restoring (``trainer.save_checkpoint()``, and the restore
+before ``before_train``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.engines.state.manager import Retention
 from pimm.utils import comm
+from pimm.utils.errors import ConfigError
 
 __all__ = ["CheckpointSaver", "CheckpointLoader"]
 
@@ -80,12 +83,17 @@ class CheckpointSaver(HookBase):
         self.async_write = async_write
         self._last_save = time.monotonic()
 
-    @property
-    def checkpoint_interval(self) -> int | None:
-        """Steps between planned saves; the trainer aligns loader snapshots to it."""
-        return self.save_freq
-
     def before_train(self):
+        """Hand the retention policy and write mode to the checkpoint manager, align
+        the data loader's snapshots to ``save_freq``; on resume, prune leftovers of
+        an earlier policy (rank 0)."""
+        trainer = self.trainer
+        checkpointer = trainer.checkpointer
+        checkpointer.retention = self.retention
+        checkpointer.async_write = self.async_write
+        trainer.align_data_snapshots(self.save_freq)
+        if trainer.global_step > 0 and comm.is_main_process():  # resumed: leftovers follow this policy
+            checkpointer.apply_retention()
         self._last_save = time.monotonic()
         if self.keep == "best" and self.trainer.metrics.best.name is None:
             self.trainer.logger.warning("CheckpointSaver(keep='best'): no evaluator declares a metric to rank "
@@ -97,6 +105,7 @@ class CheckpointSaver(HookBase):
         return comm.any_rank(time.monotonic() - self._last_save >= self.save_every_seconds)
 
     def after_step(self):
+        """Save every ``save_freq`` steps or ``save_every_seconds``."""
         trainer = self.trainer
         due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
         # At the last step of an epoch the epoch-end save follows immediately.
@@ -104,9 +113,11 @@ class CheckpointSaver(HookBase):
             self.save()
 
     def after_epoch(self):
+        """Save at every epoch end."""
         self.save()
 
     def save(self):
+        """Commit a checkpoint now (a collective: every rank calls it at the same step)."""
         self.trainer.save_checkpoint()
         self._last_save = time.monotonic()
 
@@ -114,14 +125,25 @@ class CheckpointSaver(HookBase):
 @HOOKS.register_module()
 class CheckpointLoader(HookBase):
     """Warm-start options for ``weight=PATH``: ``key_map=[(old_prefix, new_prefix), ...]``
-    renames the file's keys. (``resume=True`` needs no hook: the trainer
-    restores every participant before any hook runs.)"""
+    renames the file's keys. It is upstream's spelling of the runtime key
+    ``weight_key_map``, which this hook sets in ``modify_config``; the trainer
+    reads only the key. (``resume=True`` needs no hook: the trainer restores
+    every participant before any hook runs.)"""
 
     priority = "VERY_HIGH"
-    restores_checkpoints = True
 
     def __init__(self, key_map=()):
         try:
             self.key_map = [(str(old), str(new)) for old, new in key_map]
         except (TypeError, ValueError):
             raise ValueError(f"key_map must be a list of (old_prefix, new_prefix) pairs, got {key_map!r}") from None
+
+    def modify_config(self, cfg) -> None:
+        """Put ``key_map`` into ``cfg.weight_key_map`` (a differing key already there is an error)."""
+        if not self.key_map:
+            return
+        current = cfg.get("weight_key_map")
+        if current and [tuple(pair) for pair in current] != self.key_map:
+            raise ConfigError(f"CheckpointLoader(key_map={self.key_map}) contradicts weight_key_map={current}: "
+                              "give the key map once (weight_key_map)")
+        cfg.weight_key_map = [list(pair) for pair in self.key_map]

@@ -100,6 +100,7 @@ class EarlyStopping(HookBase):
 
     # -- set-up -----------------------------------------------------------
     def before_train(self) -> None:
+        """Check the monitor against the declared metrics and take its direction."""
         if self.monitor is None:
             return
         trainer = self.trainer
@@ -107,7 +108,9 @@ class EarlyStopping(HookBase):
             why = "no evaluator hook is configured" if not trainer.evaluators else "evaluate=False"
             raise ConfigError(f"EarlyStopping(monitor={self.monitor!r}) has nothing to watch: {why}; add an "
                               "evaluator (e.g. dict(type='ClsEvaluator')) or drop the monitor")
-        prefixes = {"val"} | {h.publishes_prefix for h in trainer.hooks if getattr(h, "publishes_prefix", None)}
+        # Every evaluation declares <prefix>/loss before this hook's before_train
+        # (evaluators when they are built, EMAHook at ABOVE_NORMAL).
+        prefixes = {name.split("/", 1)[0] for name in trainer.metrics.declared() if name.endswith("/loss")}
         if self.prefix not in prefixes:
             raise ConfigError(f"EarlyStopping: no evaluation publishes {self.prefix}/* metrics (monitor="
                               f"{self.monitor!r}); evaluations publish under: {', '.join(sorted(prefixes))}")
@@ -141,6 +144,7 @@ class EarlyStopping(HookBase):
 
     # -- decisions ----------------------------------------------------------
     def improved(self, value: float) -> bool:
+        """Whether ``value`` beats the best so far by more than ``min_delta``."""
         if value is None or math.isnan(value):
             return False
         if self.best is None:
@@ -149,9 +153,10 @@ class EarlyStopping(HookBase):
             return value > self.best + self.min_delta
         return value < self.best - self.min_delta
 
-    def after_val(self, metrics: dict) -> None:
+    def after_val(self, metrics: dict, run) -> None:
+        """Count a scheduled evaluation with the monitor's prefix; stop after ``patience``."""
         trainer = self.trainer
-        if self.monitor is None or trainer.validation_prefix != self.prefix or trainer.validation_kind != "scheduled":
+        if self.monitor is None or run.prefix != self.prefix or run.kind != "scheduled":
             return
         missing = [name for name in self.monitors if name not in metrics]
         if missing:
@@ -189,6 +194,7 @@ class EarlyStopping(HookBase):
                               f"{', '.join(sorted(self._keys_seen))}")
 
     def after_step(self) -> None:
+        """``stop_on_zero_lr``: stop once every param group's lr is 0."""
         if not self.stop_on_zero_lr:
             return
         trainer = self.trainer
@@ -201,7 +207,9 @@ class EarlyStopping(HookBase):
 
     # -- state --------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The best value, its step and the wait count."""
         return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`."""
         self.best, self.best_step, self.wait = state.get("best"), state.get("best_step"), state.get("wait", 0)

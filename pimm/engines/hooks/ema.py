@@ -99,11 +99,9 @@ class EMAHook(HookBase):
         self.decay, self.warmup, self.update_every = float(decay), warmup, update_every
         self.evaluate, self.export, self.name = evaluate, export, name
         self.prefix = EMA_PREFIX if name == "ema" else f"val_{name}"
-        self.publishes_prefix = self.prefix if evaluate else None  # for EarlyStopping(monitor="val_ema/...")
         self.averaged: AveragedModel | None = None
         self.real_updates = 0  # optimizer updates that happened (skipped steps excluded)
         self._restored: dict | None = None
-        self._scored: dict[int, tuple] = {}  # id(evaluator) -> (step, kind) of its last EMA evaluation
 
     @property
     def module(self) -> torch.nn.Module:
@@ -114,12 +112,14 @@ class EMAHook(HookBase):
 
     # -- set-up -------------------------------------------------------------
     def modify_config(self, cfg) -> None:
+        """Refuse FSDP (not supported yet)."""
         parallel = cfg.get("parallel")
         if isinstance(parallel, dict) and parallel.get("strategy") == "fsdp":
             raise ConfigError("EMAHook does not support parallel.strategy='fsdp' yet (each rank would have to "
                               "average its own shards); train with DDP or remove EMAHook")
 
     def before_train(self) -> None:
+        """Build the average (from restored state on resume); declare ``<prefix>/*`` (``val_ema`` by default)."""
         trainer = self.trainer
         twins = [h for h in getattr(trainer, "hooks", ()) if isinstance(h, EMAHook) and h.name == self.name]
         if len(twins) > 1:
@@ -141,6 +141,10 @@ class EMAHook(HookBase):
                 raise CheckpointError(f"EMAHook: the averaged weights in the checkpoint do not fit the model "
                                       f"({first}); resume with the original model config") from None
             self.real_updates = int(state["real_updates"])
+        if not self.evaluate:
+            return
+        # Declared here, before EarlyStopping's before_train (BELOW_NORMAL), which
+        # learns from these declarations that val_<name>/* metrics exist.
         trainer.metrics.declare(f"{self.prefix}/loss", "min")
         for evaluator in trainer.evaluators:  # val_ema/<metric> goes the way val/<metric> goes
             if evaluator.metric_name is not None:
@@ -158,6 +162,7 @@ class EMAHook(HookBase):
                 mine.copy_(theirs)
 
     def after_step(self) -> None:
+        """Average the weights after a real optimizer update."""
         if not self.trainer.step_result.stepped:
             return  # skipped by the GradScaler or a hook: the weights did not change
         self.real_updates += 1
@@ -165,32 +170,29 @@ class EMAHook(HookBase):
             self.averaged.update_parameters(self.trainer.model_without_ddp)
 
     # -- evaluation and export ------------------------------------------------
-    def after_val(self, metrics: dict) -> None:
-        trainer = self.trainer
-        if not self.evaluate or self.averaged is None or trainer.validation_prefix != "val":
+    def after_val(self, metrics: dict, run) -> None:
+        """After an evaluation of the trained weights with prefix ``val``: the same
+        evaluators score the averaged weights (``<prefix>/...``), same kind."""
+        if not self.evaluate or self.averaged is None or run.prefix != "val" or not run.of_trained_weights:
             return
-        kind = trainer.validation_kind
-        done = (trainer.global_step, kind)
-        # The evaluators that just scored the trained weights (one validate() call may run a subset).
-        due = [e for e in trainer.evaluators if e.last_step == done[0] and self._scored.get(id(e)) != done]
-        if not due:
-            return
-        for evaluator in due:
-            self._scored[id(evaluator)] = done
-        trainer.validate(due, model=self.averaged.module, prefix=self.prefix, kind=kind)
+        self.trainer.validate(run.evaluators, model=self.averaged.module, prefix=self.prefix, kind=run.kind,
+                              weights=self.name)
 
     def before_save_checkpoint(self) -> None:
+        """Have ``model/model_ema.pth`` written with this checkpoint."""
         if not self.export or self.averaged is None:
             return
         self.trainer.add_model_file(f"model_{self.name}.pth", self.averaged.module)  # written after the commit
 
     # -- state ----------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The averaged model and the count of real updates."""
         if self.averaged is None:
             return {}
         return {"averaged": self.averaged.state_dict(), "real_updates": self.real_updates}
 
     def load_state_dict(self, state: dict) -> None:
+        """Kept until ``before_train`` builds the averaged model from the restored weights."""
         # Restored before before_train, when the averaged model is built from the restored weights.
         if state:
             self._restored = state

@@ -3,8 +3,9 @@
 An evaluator hook decides *when* (each epoch end, or every N steps) and asks
 the trainer to validate (``trainer.validate([self])``); the trainer hands it
 the model to score (so an EMA hook can have its weights evaluated too),
-dispatches ``before_val`` / ``after_val``, publishes ``val/<name>`` scalars
-and keeps the best metric.
+dispatches ``before_val(run)`` / ``after_val(metrics, run)``, publishes
+``val/<name>`` scalars, keeps the best metric and tells each evaluator which
+evaluation it took part in (:meth:`EvaluatorBase.mark_evaluated`).
 
 A concrete evaluator implements four methods::
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from pimm.engines.hooks.base import HookBase
+from pimm.engines.hooks.base import EvalRun, HookBase
 from pimm.utils import comm
 from pimm.utils.rng import fork_rng
 
@@ -50,9 +51,7 @@ class EvaluatorBase(HookBase):
     greater_is_better: bool = True
 
     def __init__(self, every_n_steps: int | None = None, prefix: str = "val", log_images: int = 2):
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                                          or every_n_steps <= 0):
-            raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
+        _check_interval(every_n_steps)
         if isinstance(log_images, bool) or not isinstance(log_images, int) or log_images < 0:
             raise ValueError(f"log_images must be an integer >= 0, got {log_images!r}")
         self.every_n_steps = every_n_steps
@@ -63,18 +62,23 @@ class EvaluatorBase(HookBase):
 
     # -- to implement ---------------------------------------------------
     def reset(self) -> None:
+        """Clear the accumulators before an evaluation."""
         raise NotImplementedError
 
     def process(self, input_dict: dict, output_dict: dict) -> None:
+        """Accumulate one batch (tensors on the device, no grad; avoid ``.item()``)."""
         raise NotImplementedError
 
     def accumulators(self) -> dict[str, torch.Tensor]:
+        """The accumulated tensors, summed over ranks by :meth:`evaluate`."""
         raise NotImplementedError
 
     def compute(self, totals: dict[str, torch.Tensor]) -> dict:
+        """Metrics from the rank-summed accumulators; int/float values are logged."""
         raise NotImplementedError
 
     def report(self, metrics: dict) -> str:
+        """A text table for the log (e.g. per class); empty by default."""
         return ""
 
     def display(self, input_dict: dict, output_dict: dict, limit: int) -> list:
@@ -82,10 +86,27 @@ class EvaluatorBase(HookBase):
         return []
 
     def state_dict(self) -> dict:
-        return {"last_step": self.last_step}  # so a resumed run knows whether the final weights were scored
+        """``last_step``, so a resumed run knows whether its final weights were scored."""
+        return {"last_step": self.last_step}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`'s ``last_step``."""
         self.last_step = state.get("last_step")
+
+    # -- the trainer's and other hooks' calls ----------------------------
+    def mark_evaluated(self, run: EvalRun) -> None:
+        """The trainer tells this evaluator it scored ``run``. A scheduled or final
+        evaluation of the trained weights is remembered in ``last_step`` (the end
+        of training does not score the same weights twice); an on-demand one or
+        one of other weights (EMA) leaves the schedule as it was."""
+        if run.kind != "on_demand" and run.of_trained_weights:
+            self.last_step = run.step
+
+    def set_interval(self, every_n_steps: int | None) -> None:
+        """Evaluate every ``every_n_steps`` optimizer steps from now on (None: at
+        each epoch end); for live control. Checked like the constructor's option."""
+        _check_interval(every_n_steps)
+        self.every_n_steps = every_n_steps
 
     # -- metrics this evaluator defines ----------------------------------
     def declare_metrics(self, channel) -> None:
@@ -130,7 +151,7 @@ class EvaluatorBase(HookBase):
             self.reset()
             try:
                 for batch in loader:
-                    batch = trainer._to_device(batch)
+                    batch = trainer.to_device(batch)
                     with trainer.autocast():
                         output = model(batch)
                     loss = output.get("loss") if isinstance(output, dict) else None
@@ -149,3 +170,9 @@ class EvaluatorBase(HookBase):
         if batches.item() > 0:
             metrics.setdefault("loss", (loss_sum / batches).item())
         return metrics
+
+
+def _check_interval(every_n_steps) -> None:
+    if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                                      or every_n_steps <= 0):
+        raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")

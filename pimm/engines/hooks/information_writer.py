@@ -47,6 +47,12 @@ class InformationWriter(HookBase):
         self.max_extras = max_extras
         self.max_width = max_width
 
+    def set_interval(self, log_frequency: int) -> None:
+        """Flush and log every ``log_frequency`` steps from now on (live control)."""
+        if isinstance(log_frequency, bool) or not isinstance(log_frequency, int) or log_frequency < 1:
+            raise ValueError(f"log_frequency must be a positive integer, got {log_frequency!r}")
+        self.log_frequency = log_frequency
+
     def after_step(self):
         trainer = self.trainer
         if trainer.global_step % self.log_frequency == 0 or trainer.iter == trainer.iters_per_epoch:

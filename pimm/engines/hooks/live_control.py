@@ -290,10 +290,10 @@ class LiveControl(HookBase):
             scale_lr(trainer.optimizer, trainer.scheduler, lr_scale)
         if "eval_every_n_steps" in changes:
             for evaluator in trainer.evaluators:
-                evaluator.every_n_steps = changes["eval_every_n_steps"]
+                evaluator.set_interval(changes["eval_every_n_steps"])
         if "log_frequency" in changes:
             for writer in self._writers():
-                writer.log_frequency = changes["log_frequency"]
+                writer.set_interval(changes["log_frequency"])
 
     def _apply(self, request: dict, replayed: bool = False, actions: bool = True) -> None:
         trainer = self.trainer

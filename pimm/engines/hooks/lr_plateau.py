@@ -29,16 +29,10 @@ from pimm.utils.errors import ConfigError
 __all__ = ["ReduceLROnPlateau", "counts_for_plateau"]
 
 
-def counts_for_plateau(trainer, prefix: str, run=None) -> bool:
-    """Whether the evaluation that just ended is a scheduled one of ``prefix``.
-
-    ``run``: the evaluation's description when the engine passes one to
-    ``after_val``; otherwise the trainer's ``validation_kind`` /
-    ``validation_prefix`` of the evaluation in progress."""
-    if run is not None:
-        return getattr(run, "kind", None) == "scheduled" and getattr(run, "prefix", None) == prefix
-    return (getattr(trainer, "validation_kind", None) == "scheduled"
-            and getattr(trainer, "validation_prefix", None) == prefix)
+def counts_for_plateau(run, prefix: str) -> bool:
+    """Whether the evaluation ``run`` (the :class:`~pimm.engines.hooks.base.EvalRun`
+    handed to ``after_val``) is a scheduled one of ``prefix``."""
+    return run.kind == "scheduled" and run.prefix == prefix
 
 
 def _number(name: str, value, low: float, high: float | None = None, low_open: bool = False,
@@ -145,10 +139,10 @@ class ReduceLROnPlateau(HookBase):
             margin = self.threshold
         return value > self.best + margin if self.mode == "max" else value < self.best - margin
 
-    def after_val(self, metrics: dict, run=None) -> None:
+    def after_val(self, metrics: dict, run) -> None:
         """Count a scheduled evaluation of the monitor's prefix; reduce after ``patience``."""
         trainer = self.trainer
-        if not counts_for_plateau(trainer, self.prefix, run):
+        if not counts_for_plateau(run, self.prefix):
             return
         if self.monitor not in metrics:
             if all(e.last_step is not None for e in trainer.evaluators):

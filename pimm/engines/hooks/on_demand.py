@@ -62,13 +62,10 @@ def validate_on_demand(trainer, why: str) -> dict | None:
                             "just evaluated")
         return None
     trainer.logger.info(f"On-demand evaluation at step {step} ({why})")
-    last_steps = [e.last_step for e in evaluators]
-    try:
-        with fork_rng():  # also covers building the validation loader on first use
-            return trainer.validate(evaluators, kind="on_demand")
-    finally:
-        for evaluator, last in zip(evaluators, last_steps):
-            evaluator.last_step = last
+    # kind="on_demand": the evaluators' schedules and last_step stay as they were
+    # (EvaluatorBase.mark_evaluated), so the end-of-training evaluation still runs.
+    with fork_rng():  # also covers building the validation loader on first use
+        return trainer.validate(evaluators, kind="on_demand")
 
 
 def resolve_signal(name, key: str = "signal") -> int | None:
@@ -102,6 +99,7 @@ class OnDemandValidation(HookBase):
         self._installed = False
 
     def modify_config(self, cfg) -> None:
+        """Refuse a signal that also pre-empts; install the handler early (start-up)."""
         if self.signal_name in (*STANDARD_PREEMPT, *(cfg.get("preempt_signals") or ())):
             raise ConfigError(f"OnDemandValidation signal {self.signal_name} is also in preempt_signals; a signal "
                               "either pre-empts or evaluates: choose another one (e.g. 'SIGUSR1')")
@@ -121,12 +119,14 @@ class OnDemandValidation(HookBase):
                                               "the main thread; the hook does nothing")
 
     def before_train(self) -> None:
+        """Warn on a platform without the signal; install the handler if not yet done."""
         if self.signum is None:
             self.trainer.logger.warning(f"OnDemandValidation: this platform has no {self.signal_name}; the hook "
                                         "does nothing (choose another signal to use it here)")
         self._install()  # a signal that came during start-up is served at the first step boundary
 
     def after_step(self) -> None:
+        """Serve a signal received since the last step (agreed across ranks)."""
         trainer = self.trainer
         if trainer.control.distributed:
             if trainer.global_step % self.check_every:
@@ -141,6 +141,7 @@ class OnDemandValidation(HookBase):
             validate_on_demand(trainer, f"{self.signal_name} received")
 
     def after_train(self) -> None:
+        """Put the previous signal handler back."""
         if self._installed:
             signal_module.signal(self.signum, self._previous if self._previous is not None else signal_module.SIG_DFL)
             self._installed = False

@@ -27,6 +27,7 @@ class ProgressBar(HookBase):
 
     @property
     def enabled(self) -> bool:
+        """Shown only on rank 0 and on a terminal (or when forced)."""
         return comm.is_main_process() and (self.force or sys.stderr.isatty())
 
     def before_epoch(self):

@@ -37,6 +37,7 @@ class ModelHook(HookBase):
             if self._model_hook is not None:
                 getattr(self._model_hook, phase)()
         call.__name__ = phase
+        call.__doc__ = f"The model's ``{phase}`` (when the model is a hook)."
         return call
 
     before_epoch = _forward("before_epoch")

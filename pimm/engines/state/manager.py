@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from pimm.engines.state.participants import as_participant
 from pimm.engines.state.snapshot import SnapshotBuffers
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
@@ -171,6 +172,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 
 def checkpoint_name(global_step: int, epoch: int) -> str:
+    """The folder name of the checkpoint of ``global_step`` in ``epoch``."""
     return f"step{global_step:09d}-epoch{epoch:04d}"
 
 
@@ -218,8 +220,9 @@ class LoadedCheckpoint:
 
 
 class CheckpointManager:
-    """Saves and restores named participants (anything with ``state_dict`` /
-    ``load_state_dict``). ``scope="shared"`` participants are replicated across
+    """Saves and restores named participants (the
+    :class:`~pimm.engines.state.participants.Participant` protocol, or anything
+    with ``state_dict`` / ``load_state_dict``). ``scope="shared"`` participants are replicated across
     ranks and written once, by rank 0; ``scope="rank"`` ones are written by
     every rank. Participants are restored in registration order."""
 
@@ -242,14 +245,18 @@ class CheckpointManager:
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
+        """Save ``participant`` under ``name``; a plain ``load_state_dict`` object is
+        adapted to the :class:`~pimm.engines.state.participants.Participant`
+        protocol here, once (sharded ones follow their own: ``restore_sharded``)."""
         scopes = {"shared": self._shared, "rank": self._per_rank, "sharded": self._sharded}
         if scope not in scopes:
             raise ValueError(f"scope must be 'shared', 'rank' or 'sharded', got {scope!r}")
         if name in self.participants():
             raise ValueError(f"checkpoint participant {name!r} is registered twice")
-        scopes[scope][name] = participant
+        scopes[scope][name] = participant if scope == "sharded" else as_participant(participant)
 
     def participants(self) -> dict[str, Any]:
+        """Every registered participant by name (sharded, shared, per rank)."""
         return {**self._sharded, **self._shared, **self._per_rank}
 
     @staticmethod
@@ -273,6 +280,7 @@ class CheckpointManager:
         return [path for path in self.step_folders() if (path / MANIFEST).is_file()]
 
     def has_checkpoints(self) -> bool:
+        """Whether any step folder exists (committed or not)."""
         return bool(self.step_folders())
 
     # -- saving ---------------------------------------------------------
@@ -486,10 +494,10 @@ class CheckpointManager:
         return None
 
     def restore(self, loaded: LoadedCheckpoint, context: Any = None, skip_rank_states: bool = False) -> None:
-        """Hand every participant its state, in registration order. A participant
-        with a ``restore(state, context)`` method gets that call instead of
-        ``load_state_dict`` (it adapts to a changed layout); per-rank states are
-        skipped when ``skip_rank_states`` (another world size), and such a
+        """Hand every participant its state with ``restore(state, context)``, in
+        registration order (the order is documented on
+        :class:`~pimm.engines.state.participants.Participant`); per-rank states
+        are skipped when ``skip_rank_states`` (another world size), and such a
         participant then gets ``restore(None, context)``. Sharded participants
         come first and read their part of ``sharded/`` (a collective)."""
         saved_sharded = loaded.manifest.get("sharded", [])
@@ -508,11 +516,10 @@ class CheckpointManager:
                 "resume it with parallel.strategy='fsdp' (any number of processes)")
         for name, participant in self._shared.items():
             if name in loaded.common:
-                _restore_one(participant, loaded.common[name], context)
+                participant.restore(loaded.common[name], context)
         for name, participant in self._per_rank.items():
             state = None if skip_rank_states or loaded.rank_state is None else loaded.rank_state.get(name)
-            if state is not None or hasattr(participant, "restore"):
-                _restore_one(participant, state, context)
+            participant.restore(state, context)
 
 
 def _entries(root: Path, paths: list[Path]) -> dict:
@@ -520,10 +527,3 @@ def _entries(root: Path, paths: list[Path]) -> dict:
     return {path.relative_to(root).as_posix(): {"size": path.stat().st_size, "crc32": _file_crc32(path)}
             for path in paths}
 
-
-def _restore_one(participant: Any, state: Any, context: Any) -> None:
-    restore = getattr(participant, "restore", None)
-    if restore is not None:
-        restore(state, context)
-    elif state is not None:
-        participant.load_state_dict(state)

@@ -1,14 +1,17 @@
-"""Checkpoint participants that wrap a component to give it the restore rules
-of :mod:`pimm.engines.state.restore`, plus the ones that are not components:
-the RNG streams, the hooks' states, the data position and the run's metadata.
+"""Checkpoint participants: the :class:`Participant` protocol, the adapter for
+plain ``state_dict`` / ``load_state_dict`` objects, the participants that wrap
+a component to give it the restore rules of :mod:`pimm.engines.state.restore`,
+and the ones that are not components: the RNG streams, the hooks' states, the
+data position and the run's metadata.
 
-Each participant restores itself; those that must adapt when the process
-layout changed, or report what the config changed, have a
-``restore(state, context)`` method that receives the
-:class:`~pimm.engines.state.restore.RestoreContext`.
+Every participant restores itself through ``restore(state, context)``, which
+receives the :class:`~pimm.engines.state.restore.RestoreContext` (to adapt
+when the process layout changed, or to report what the config changed).
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -18,8 +21,71 @@ from pimm.engines.state.weights import strip_wrapper_prefixes
 from pimm.utils.errors import CheckpointError, ConfigError
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["apply_configured_groups", "ModelParticipant", "OptimizerParticipant", "SchedulerParticipant", "TrainStateParticipant",
+__all__ = ["Participant", "StateDictParticipant", "as_participant", "apply_configured_groups", "ModelParticipant", "OptimizerParticipant", "SchedulerParticipant", "TrainStateParticipant",
            "RNGParticipant", "HooksParticipant", "MetaParticipant", "LoaderParticipant"]
+
+
+@runtime_checkable
+class Participant(Protocol):
+    """What a checkpoint holds a piece of: ``trainer.track(name, participant)``.
+
+    ``state_dict()`` is called on every rank at every checkpoint (gathering a
+    sharded state may be a collective); rank 0 writes the ``shared`` ones,
+    every rank its own ``rank`` ones. ``restore(state, context)`` takes it back
+    on resume; ``state`` is None for a per-rank participant whose state cannot
+    be matched to this rank (another world size), and ``context`` (a
+    :class:`~pimm.engines.state.restore.RestoreContext`) is where it reports
+    what it could not restore exactly and what the config overrides.
+
+    Restore order: participants restore in registration order (the order of
+    the ``track`` calls, which is the checkpoint layout): FSDP's sharded
+    model and optimizer first, then the shared participants, then the
+    per-rank ones, of which the hooks' states come last; then the trainer
+    dispatches ``after_load_checkpoint``, and only then ``before_train``. So
+    a participant may rely on everything tracked before it (the optimizer on
+    the model, the loader position on the train state), and every hook sees
+    the whole restored state.
+
+    An object with ``state_dict`` / ``load_state_dict`` only (a GradScaler,
+    the metric channel) is adapted by :class:`StateDictParticipant`.
+    """
+
+    def state_dict(self) -> Any:
+        """The state to save (anything ``torch.save`` writes with weights_only loading)."""
+
+    def restore(self, state: Any, context: Any) -> None:
+        """Take back what :meth:`state_dict` returned (``state`` may be None, see above)."""
+
+
+class StateDictParticipant:
+    """A :class:`Participant` over a plain object with ``state_dict`` /
+    ``load_state_dict``: a missing state (another world size) leaves it as built."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        """The wrapped object's ``state_dict()``."""
+        return self.obj.state_dict()
+
+    def restore(self, state: Any, context: Any) -> None:
+        """``load_state_dict(state)`` when there is a state."""
+        if state is not None:
+            self.obj.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"StateDictParticipant({type(self.obj).__name__})"
+
+
+def as_participant(obj: Any) -> Participant:
+    """``obj`` itself when it is a :class:`Participant`, else wrapped in
+    :class:`StateDictParticipant`; anything else is a TypeError naming it."""
+    if isinstance(obj, Participant):
+        return obj
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return StateDictParticipant(obj)
+    raise TypeError(f"{type(obj).__name__} cannot be a checkpoint participant: it needs state_dict() and "
+                    "restore(state, context) or load_state_dict(state)")
 
 
 def check_model_fits(model, own_shapes: dict, saved_shapes: dict, context) -> None:
@@ -46,9 +112,11 @@ class ModelParticipant:
         self.model = model
 
     def state_dict(self) -> dict:
+        """The model's state dict."""
         return self.model.state_dict()
 
     def restore(self, state: dict, context) -> None:
+        """Load the weights; a checkpoint that does not fit is a CheckpointError."""
         # pimm saves the plain module; a file written through a compiled or DDP
         # wrapper by other code still fits.
         state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
@@ -71,9 +139,11 @@ class OptimizerParticipant:
         self.unreported = set(unreported)
 
     def state_dict(self) -> dict:
+        """The optimizer's state dict."""
         return self.optimizer.state_dict()
 
     def restore(self, state: dict, context) -> None:
+        """Moments and step counts from ``state``, param-group values from the config."""
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         saved_groups = state.get("param_groups", [])
         if len(saved_groups) != len(configured):
@@ -110,9 +180,11 @@ class SchedulerParticipant:
         self.scheduler = scheduler
 
     def state_dict(self) -> dict:
+        """The scheduler's state dict."""
         return self.scheduler.state_dict()
 
     def restore(self, state: dict, context) -> None:
+        """The schedule's progress; parameters the config changed are reported."""
         for key in ("total_steps", "warmup_steps", "milestones", "gamma", "power"):
             if key in state and hasattr(self.scheduler, key) and state[key] != getattr(self.scheduler, key):
                 context.config_wins(f"scheduler {key}", state[key], getattr(self.scheduler, key))
@@ -135,9 +207,11 @@ class TrainStateParticipant:
         self.train_state = train_state
 
     def state_dict(self) -> dict:
+        """Epoch, steps, samples seen, the process layout."""
         return self.train_state.state_dict()
 
     def restore(self, state: dict, context) -> None:
+        """The position; the saved layout goes to ``context`` when it differs."""
         current = self.train_state.layout()
         self.train_state.load_state_dict(state)
         context.saved_train_state = TrainState(**{k: v for k, v in state.items()
@@ -152,9 +226,11 @@ class RNGParticipant:
     streams cannot be matched to ranks; the current ones are kept."""
 
     def state_dict(self) -> dict:
+        """Python, NumPy, torch CPU and CUDA RNG states."""
         return capture_rng_state()
 
     def restore(self, state: dict | None, context) -> None:
+        """Restore the streams; without a state (another world size) report it as inexact."""
         if state is None:
             context.inexact("the per-rank random streams")
             return
@@ -168,9 +244,11 @@ class MetaParticipant:
         self.meta = {"config_flat": config_flat, "total_steps": total_steps}
 
     def state_dict(self) -> dict:
+        """The flattened config and the schedule length."""
         return self.meta
 
     def restore(self, state: dict, context) -> None:
+        """Hand the saved config to ``context`` (to report what changed)."""
         context.saved_config_flat = state.get("config_flat", {})
 
 
@@ -181,9 +259,12 @@ class HooksParticipant:
         self.trainer = trainer
 
     def state_dict(self) -> list:
+        """Every hook's ``state_dict()`` with its type, in priority order."""
         return [{"type": type(h).__name__, "state": h.state_dict()} for h in self.trainer.hooks]
 
     def restore(self, states: list | None, context) -> None:
+        """Each hook's ``load_state_dict``, matched by position and type (by type in
+        order of appearance when the hooks changed; rank 0's under another world size)."""
         if states is None:
             # Another world size: every rank takes rank 0's hook states, which
             # hold the run's shared decisions (counters, patience, revisions).
@@ -221,6 +302,7 @@ class LoaderParticipant:
         self.trainer = trainer
 
     def state_dict(self) -> dict:
+        """The sample position (map-style data) or the loader's own snapshot (iterable)."""
         trainer = self.trainer
         state = trainer.train_state
         if train_sampler(trainer.train_loader) is not None:
@@ -230,6 +312,8 @@ class LoaderParticipant:
         return {"kind": "loader", "state": trainer.train_loader.state_dict()}
 
     def restore(self, state: dict | None, context) -> None:
+        """Continue the epoch after the saved position (after the same sample count
+        when the layout changed)."""
         trainer, train_state = self.trainer, self.trainer.train_state
         if not context.layout_changed and state is not None:
             if state["kind"] == "position":

@@ -54,16 +54,20 @@ class RestoreContext:
         self._rank0: dict | None = None
 
     def config_wins(self, what: str, saved, configured) -> None:
+        """Report a hyperparameter the config overrides (``saved -> configured``)."""
         self.overridden.append(f"{what}: {saved!r} -> {configured!r}")
 
     def inexact(self, what: str) -> None:
+        """Report a part of the state that cannot be restored exactly."""
         if what not in self.inexact_parts:
             self.inexact_parts.append(what)
 
     def note(self, text: str) -> None:
+        """A line for the resume log."""
         self.notes.append(text)
 
     def rank0_state(self, name: str):
+        """Rank 0's saved state of participant ``name`` (read once, on demand)."""
         if self._rank0 is None:
             path = self.path / "rank00000.pth"
             self._rank0 = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else {}
@@ -129,6 +133,7 @@ def flatten_config(cfg, prefix: str = "") -> dict[str, str]:
 
 
 def describe_config_changes(saved: dict[str, str], current: dict[str, str], limit: int = 12) -> list[str]:
+    """The training-relevant keys that differ between ``saved`` and ``current`` flattened configs."""
     changes = []
     for key in sorted(set(saved) | set(current)):
         if key.split(".")[0] not in _RELEVANT or saved.get(key) == current.get(key):

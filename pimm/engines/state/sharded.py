@@ -97,6 +97,7 @@ class ShardedModelParticipant:
         self.model = model
 
     def state_dict(self) -> dict:
+        """The sharded state (Distributed Checkpoint's state-dict API)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         from pimm.engines.parallel import sync_buffers
@@ -105,6 +106,7 @@ class ShardedModelParticipant:
         return get_model_state_dict(self.model)
 
     def restore_sharded(self, load: Callable[[dict], None], saved: dict[tuple, tuple | None], context) -> None:
+        """Read this rank's shards through ``load`` into the current structure; a mismatch is a CheckpointError."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         template = get_model_state_dict(self.model)
@@ -126,11 +128,13 @@ class ShardedOptimizerParticipant:
         self.unreported = set(unreported)
 
     def state_dict(self) -> dict:
+        """The sharded state (Distributed Checkpoint's state-dict API)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def restore_sharded(self, load: Callable[[dict], None], saved: dict[tuple, tuple | None], context) -> None:
+        """Read this rank's shards through ``load`` into the current structure; a mismatch is a CheckpointError."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         from pimm.engines.state.participants import apply_configured_groups

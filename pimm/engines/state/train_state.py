@@ -35,15 +35,19 @@ class TrainState:
     stop_reason: str | None = None  # set when a run stopped early by request (e.g. early stopping)
 
     def samples_seen_in_epoch(self) -> int:
+        """Samples the current epoch has consumed over all ranks."""
         return self.iter_in_epoch * self.grad_accum_steps * self.batch_size_per_rank * self.world_size
 
     def layout(self) -> dict:
+        """The process layout fields (world size, batch per rank, accumulation, workers)."""
         return {name: getattr(self, name) for name in LAYOUT_FIELDS}
 
     def state_dict(self) -> dict:
+        """Every field."""
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Set the known fields from ``state``."""
         known = {f.name for f in dataclasses.fields(self)}
         for key, value in state.items():
             if key in known:

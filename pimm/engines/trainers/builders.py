@@ -29,10 +29,19 @@ __all__ = ["ComponentBuilders"]
 
 
 class ComponentBuilders:
-    """The ``build_*`` methods of DefaultTrainer (a mixin: it reads ``self.cfg``,
+    """The ``build_*`` methods of DefaultTrainer and of the
+    :class:`~pimm.engines.testers.Tester` (a mixin: it reads ``self.cfg``,
     ``self.world_size``, ``self.rank``, ``self.device``, ``self.options``)."""
 
+    #: The collate function when the config names none (``train.collate_fn`` /
+    #: ``val_collate_fn``): a ``COLLATE_FNS`` name, or None for the data set's
+    #: ``collate_fn`` attribute, else torch's default collate. A class attribute,
+    #: so the Tester of a trainer class collates as that trainer does.
+    default_collate_fn: str | None = None
+
     def build_model(self) -> torch.nn.Module:
+        """The model from ``cfg.model`` (SyncBatchNorm and gradient checkpointing as
+        configured), on the CPU; the caller moves it to the device."""
         model = MODELS.build(self.cfg.model)
         if self.cfg.sync_bn and self.world_size > 1:
             if self.device.type == "cuda":
@@ -60,13 +69,27 @@ class ComponentBuilders:
         # Compiled outermost; the model itself (checkpoints, EMA) stays the plain module.
         return compile_model(wrapped, self.cfg.get("compile"), type(model).__name__, self.logger)
 
+    def to_device(self, batch):
+        """``batch`` (a tensor or a dict of them; other values pass through) on the
+        training device, copied asynchronously from pinned memory; a no-op on CPU."""
+        if self.device.type == "cpu":
+            return batch
+        if isinstance(batch, dict):
+            return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()}
+        return batch.to(self.device, non_blocking=True)
+
     @property
     def num_workers_per_rank(self) -> int:
+        """Data-loading workers of this process (``num_worker`` is global)."""
         return self.cfg.num_worker // self.world_size
 
     def _resolve_collate(self, spec, dataset):
+        spec = self.default_collate_fn if spec is None else spec
         if spec is None:
             return getattr(dataset, "collate_fn", None) or default_collate
+        if spec == "default_collate":
+            return default_collate
         if isinstance(spec, str):
             return COLLATE_FNS.get(spec)
         if isinstance(spec, dict):
@@ -83,22 +106,22 @@ class ComponentBuilders:
         return DATASETS.build(data_cfg[split])
 
     def build_train_loader(self):
+        """The resumable training loader over ``data.train`` (see :mod:`pimm.engines.data`)."""
         return self._make_train_loader(self._build_dataset("train"))
 
     def _make_train_loader(self, dataset, sampler=None):
         # Only iterable data sets resume from the loader's own snapshots (see
-        # LoaderParticipant); take them at the checkpoint cadence, not per step.
-        iterable = isinstance(dataset, IterableDataset)
-        if not iterable and len(dataset) == 0:
+        # LoaderParticipant); they are taken at the checkpoint cadence, which
+        # CheckpointSaver sets later (DefaultTrainer.align_data_snapshots).
+        if not isinstance(dataset, IterableDataset) and len(dataset) == 0:
             raise ConfigError(f"data.train ({type(dataset).__name__}) is empty: nothing to train on")
-        interval = self._checkpoint_interval * self.grad_accum_steps if iterable and self._checkpoint_interval else None
         collate = self._resolve_collate(self.options["collate_fn"], dataset)
         if self.cfg.mix_prob:
             collate = _with_mix_prob(collate, self.cfg.mix_prob)
         return data_lib.build_train_loader(
             dataset, batch_size=self.batch_size_per_rank, num_workers=self.num_workers_per_rank,
             seed=self.cfg.seed, rank=self.rank, world_size=self.world_size, collate_fn=collate,
-            snapshot_every_n_steps=interval, pin_memory=self.device.type == "cuda", sampler=sampler,
+            pin_memory=self.device.type == "cuda", sampler=sampler,
             prefetch_factor=self.cfg.prefetch_factor,
         )
 
@@ -129,19 +152,23 @@ class ComponentBuilders:
                               "to score")
 
     def build_val_loader(self):
+        """The loader over ``data.val`` (built on first use)."""
         return self._build_eval_loader("val")
 
     def build_test_loader(self):
+        """The loader over ``data.test`` (built on first use)."""
         return self._build_eval_loader("test")
 
     @property
     def val_loader(self):
+        """The validation loader, built on first use."""
         if self._val_loader is None:
             self._val_loader = self.build_val_loader()
         return self._val_loader
 
     @property
     def test_loader(self):
+        """The test loader, built on first use."""
         if self._test_loader is None:
             self._test_loader = self.build_test_loader()
         return self._test_loader
@@ -183,9 +210,11 @@ class ComponentBuilders:
         return batches // self.grad_accum_steps
 
     def build_optimizer(self):
+        """The optimizer from ``cfg.optimizer`` over the model's parameter groups (``param_dicts``)."""
         return build_optimizer(self.cfg.optimizer, self.model_without_ddp, self.cfg.get("param_dicts"))
 
     def build_scheduler(self):
+        """The lr scheduler from ``cfg.scheduler`` (None: a constant lr), stepped once per optimizer step."""
         spec = self.cfg.scheduler if self.cfg.scheduler is not None else dict(type="ConstantLR")
         # scheduler_interval=N: the scheduler steps once every N updates, so the schedule has total // N steps.
         total = max(1, self.iters_per_epoch * self.max_epoch // self.cfg.get("scheduler_interval", 1))
@@ -197,6 +226,7 @@ class ComponentBuilders:
         return ("lr", *({"betas", "momentum"} & set(owned() if owned else ())))
 
     def build_scaler(self):
+        """The AMP GradScaler (enabled for ``amp_dtype='float16'`` only)."""
         enabled = self.cfg.enable_amp and self.cfg.amp_dtype == "float16"
         if enabled and self.device.type != "cuda":
             raise ConfigError("amp_dtype='float16' needs CUDA; on CPU use amp_dtype='bfloat16' or enable_amp=False")
@@ -210,6 +240,7 @@ class ComponentBuilders:
         return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
 
     def build_writer(self) -> MetricsWriter:
+        """The metric sinks: metrics.jsonl, TensorBoard, W&B as configured."""
         cfg = self.cfg
         return MetricsWriter(
             self.save_path, enable_tensorboard=cfg.enable_tensorboard, use_wandb=cfg.use_wandb,

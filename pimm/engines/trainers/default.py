@@ -18,7 +18,7 @@ import torch
 
 from pimm.engines import data as data_lib
 from pimm.engines.control import StopControl
-from pimm.engines.hooks.base import HookBase, build_hooks
+from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
@@ -26,8 +26,8 @@ from pimm.engines.optim_step import OptimStep
 from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
-from pimm.engines.runtime import apply_process_settings, validate_runtime
-from pimm.engines.state import CheckpointManager, Retention, atomic_torch_save, load_weights, restore_latest
+from pimm.engines.runtime import apply_process_settings
+from pimm.engines.state import CheckpointManager, atomic_torch_save, load_weights, restore_latest
 from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
                                              TrainStateParticipant)
@@ -51,7 +51,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     """Options (the keys of ``train = dict(type="DefaultTrainer", ...)``):
 
     collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
-        default: the data set's ``collate_fn`` attribute, else torch's default collate.
+        default: the class's ``default_collate_fn``, else the data set's ``collate_fn``
+        attribute, else torch's default collate.
     iters_per_epoch: epoch length for iterable data sets (map-style: derived).
     find_unused_parameters: passed to DDP.
     stop_check_every: steps between the cross-rank checks for pre-emption signals
@@ -60,136 +61,155 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         of GPU memory with its batches split into halves, quarters, ... (single
         process; see :mod:`pimm.engines.oom_backoff`).
 
-    ``hooks``: the built hooks (the CLI builds them before validating the
-    config, so their ``modify_config`` runs first); None builds them from
-    ``cfg.hooks`` here.
+    ``hooks``: the built hooks (the CLI builds them while preparing the
+    config, so their ``modify_config`` runs first); None prepares the config
+    here with :func:`pimm.engines.launch.prepare_config`, the CLI's order.
+    ``__init__`` is its phases: :meth:`configure_process`,
+    :meth:`build_components`, :meth:`register_state`, :meth:`wire_hooks`.
+    Testing is :class:`pimm.engines.testers.Tester`'s job, not a mode.
     """
 
-    def __init__(self, cfg, hooks: list[HookBase] | None = None, mode: str = "train", collate_fn=None,
-                 val_collate_fn=None, iters_per_epoch=None, find_unused_parameters: bool = False,
-                 stop_check_every: int = 10, tracer=None, oom_backoff: dict | None = None):
+    def __init__(self, cfg, hooks: list[HookBase] | None = None, collate_fn=None, val_collate_fn=None,
+                 iters_per_epoch=None, find_unused_parameters: bool = False, stop_check_every: int = 10,
+                 tracer=None, oom_backoff: dict | None = None):
         super().__init__()
-        if tracer is not None:
-            self.tracer = tracer
-        if mode not in ("train", "test"):
-            raise ConfigError(f"trainer mode must be 'train' or 'test', got {mode!r}")
-        self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
-        if hooks is None:
-            hooks = build_hooks(cfg.hooks)
-            for hook in hooks:
-                hook.modify_config(cfg)
-            validate_runtime(cfg, self.world_size)
         if isinstance(stop_check_every, bool) or not isinstance(stop_check_every, int) or stop_check_every < 1:
             raise ConfigError(f"train.stop_check_every={stop_check_every!r} must be a positive integer")
+        if tracer is not None:
+            self.tracer = tracer
+        self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
+        if hooks is None:  # built from Python: the start-up order of the command line
+            from pimm.engines.launch import prepare_config
+            hooks = prepare_config(cfg, self.world_size)
         self.cfg = cfg
-        self.mode = mode
-        self.parallel = parallel_config(cfg)
+        self.options = dict(collate_fn=collate_fn, val_collate_fn=val_collate_fn, iters_per_epoch=iters_per_epoch,
+                            find_unused_parameters=find_unused_parameters)
+        self.evaluators = [h for h in hooks if isinstance(h, EvaluatorBase)]  # their split is checked with the loaders
+        self.configure_process()
+        self.build_components(oom_backoff, stop_check_every)
+        self.register_state()
+        self.wire_hooks(hooks)
+        seed_all(derive_seed(cfg.seed, 1, self.rank))  # this rank's training stream
+
+    # -- the phases of __init__ ------------------------------------------------
+    def configure_process(self) -> None:
+        """Process-wide settings and the sizes everything else is built with:
+        torch settings from the config, the device, the parallel strategy,
+        the per-rank batch, the checkpoint manager."""
+        cfg = self.cfg
         apply_process_settings(cfg)
-        if cfg.empty_cache or cfg.empty_cache_per_epoch:
-            hooks = [*hooks, EmptyCache(per_step=cfg.empty_cache, per_epoch=cfg.empty_cache_per_epoch)]
+        self.parallel = parallel_config(cfg)
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.save_path = Path(cfg.save_path)
-        self.options = dict(collate_fn=collate_fn, val_collate_fn=val_collate_fn, iters_per_epoch=iters_per_epoch,
-                            find_unused_parameters=find_unused_parameters)
         self.max_epoch = cfg.epoch
         self.batch_size_per_rank = cfg.batch_size // self.world_size
         self.grad_accum_steps = cfg.grad_accum_steps
         self.checkpointer = CheckpointManager(self.save_path / "checkpoints", logger=self.logger)
-        self.evaluators = [h for h in hooks if isinstance(h, EvaluatorBase)]
-
-        tracer = self.tracer
-        seed_all(derive_seed(cfg.seed, 0))  # identical model init on every rank
-        with tracer.long_span("build_model"):
-            self.model_without_ddp = self.build_model().to(self.device)
-        self.autocast = self._build_autocast()
+        self.checkpointer.tracer = self.tracer
         self.train_loader = None
         self._val_loader = self._test_loader = None
         self._data_iter = None
         self._last_saved_step: int | None = None
         self._first_forward = True
-        self.oom_backoff = None
-        if mode == "test":
-            self.model = self.model_without_ddp
-            self.register_hooks(hooks)
-            if self.evaluators or cfg.get("test") is not None:
-                self._check_eval_split("test")
-            return
 
-        if not self.parallel.fsdp:
-            self.track("model", ModelParticipant(self.model_without_ddp))
-        elif self.world_size == 1:
+    def build_components(self, oom_backoff: dict | None = None, stop_check_every: int = 10) -> None:
+        """Everything training runs on, each from its ``build_*`` method: the model
+        (wrapped for DDP/FSDP), the training loader, the optimizer, scheduler and
+        AMP scaler behind one :class:`OptimStep`, the writer and the metric
+        channel, and the stop control."""
+        cfg, tracer = self.cfg, self.tracer
+        seed_all(derive_seed(cfg.seed, 0))  # identical model init on every rank
+        with tracer.long_span("build_model"):
+            self.model_without_ddp = self.build_model().to(self.device)
+        self.autocast = self._build_autocast()
+        if self.parallel.fsdp and self.world_size == 1:
             check_shard_modules(self.model_without_ddp, self.parallel)  # as shard_model does on several
             self.logger.info("parallel.strategy='fsdp' with one process: the model is not sharded; checkpoints "
                              "keep the sharded (Distributed Checkpoint) format")
         self.model = self.wrap_model(self.model_without_ddp)
-        self._checkpoint_interval = min(
-            [h.checkpoint_interval for h in hooks if getattr(h, "checkpoint_interval", None)] or [0]
-        )
         with tracer.long_span("build_loaders"):
             self.train_loader = self.build_train_loader()
             self.iters_per_epoch = self._compute_iters_per_epoch()
             if self.evaluators and cfg.evaluate:
-                self._check_eval_split("val")  # found now, not after the first epoch
+                self._check_eval_split("val")  # found now, before anything is written, not after the first epoch
         self.oom_backoff = OOMBackoff.from_option(oom_backoff, self.train_loader, self.world_size, self.logger)
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
         with tracer.long_span("build_optimizer"):
             self.optimizer = self.build_optimizer()
             self.scheduler = self.build_scheduler()
             self.scaler = self.build_scaler()
-        if self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
-            self.track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
-            self.track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
-                                                                self._scheduled_group_keys()), scope="sharded")
-        else:
-            self.track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
-        self.track("scheduler", SchedulerParticipant(self.scheduler))
-        self.track("scaler", self.scaler)
         self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                                    clip_grad=cfg.clip_grad, model=self.model,
-                                    track_grad_norm=cfg.log_grad_norm,
+                                    clip_grad=cfg.clip_grad, model=self.model, track_grad_norm=cfg.log_grad_norm,
                                     scheduler_interval=cfg.get("scheduler_interval", 1))
-        if self.optim_step.scheduler_interval > 1:  # where the next scheduler step falls
-            self.track("optim_step", self.optim_step)
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
-        self.checkpointer.tracer = tracer
         self.control = StopControl(cfg.preempt_signals, check_every=stop_check_every)
-        self.train_state.load_state_dict(dict(
+
+    def register_state(self) -> None:
+        """The checkpoint layout: every participant, in restore order (see
+        :class:`~pimm.engines.state.participants.Participant`). A trainer adds
+        its own through :meth:`extra_state`; the hooks' states come last."""
+        self.train_state.load_state_dict(dict(  # the layout this process runs with
             world_size=self.world_size, batch_size_per_rank=self.batch_size_per_rank,
             grad_accum_steps=self.grad_accum_steps, num_workers_per_rank=self.num_workers_per_rank))
-        self.track("train_state", TrainStateParticipant(self.train_state))
-        self.track("metrics", self.metrics)
-        self.track("writer", self.writer)
-        self.track("meta", MetaParticipant(flatten_config(cfg), self.iters_per_epoch * self.max_epoch))
-        self.track("rng", RNGParticipant(), scope="rank")
-        self.track("loader", self.loader_participant(self), scope="rank")
-        self.track("hooks", HooksParticipant(self), scope="rank")
+        track = self.track
+        if self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
+            track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
+            track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
+                                                           self._scheduled_group_keys()), scope="sharded")
+        else:
+            track("model", ModelParticipant(self.model_without_ddp))
+            track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
+        track("scheduler", SchedulerParticipant(self.scheduler))
+        track("scaler", self.scaler)
+        if self.optim_step.scheduler_interval > 1:  # where the next scheduler step falls
+            track("optim_step", self.optim_step)
+        track("train_state", TrainStateParticipant(self.train_state))
+        track("metrics", self.metrics)
+        track("writer", self.writer)
+        track("meta", MetaParticipant(flatten_config(self.cfg), self.iters_per_epoch * self.max_epoch))
+        track("rng", RNGParticipant(), scope="rank")
+        track("loader", self.loader_participant(self), scope="rank")
+        for name, participant, scope in self.extra_state():
+            track(name, participant, scope=scope)
+        track("hooks", HooksParticipant(self), scope="rank")
+
+    def extra_state(self) -> list[tuple]:
+        """``(name, participant, scope)`` of the state a trainer adds to the
+        checkpoint (restored after the loader position, before the hooks); none here."""
+        return []
+
+    def wire_hooks(self, hooks: list[HookBase]) -> None:
+        """Register the hooks (with ``EmptyCache`` when the config asks for it): the
+        evaluators declare their metrics' directions and the dispatch tables are
+        built."""
+        cfg = self.cfg
+        if cfg.empty_cache or cfg.empty_cache_per_epoch:
+            hooks = [*hooks, EmptyCache(per_step=cfg.empty_cache, per_epoch=cfg.empty_cache_per_epoch)]
         for evaluator in self.evaluators:
             evaluator.declare_metrics(self.metrics)
-        for hook in hooks:
-            if isinstance(getattr(hook, "retention", None), Retention):
-                self.checkpointer.retention = hook.retention
-                self.checkpointer.async_write = hook.async_write
-        with tracer.long_span("build_hooks"):
+        with self.tracer.long_span("build_hooks"):
             self.register_hooks(hooks)
         if not hooks:
             self.logger.warning("hooks = []: nothing will log the training loss, evaluate or save checkpoints "
                                 "(list CheckpointSaver, InformationWriter, ... to get them)")
-        seed_all(derive_seed(cfg.seed, 1, self.rank))  # this rank's training stream
 
     #: How the data position is saved and restored (a trainer that consumes
     #: batches at another rate than one per step overrides it).
     loader_participant = LoaderParticipant
 
     def track(self, name: str, participant, scope: str = "shared") -> None:
-        """Save ``participant`` (anything with ``state_dict`` / ``load_state_dict``)
-        in every checkpoint and restore it on resume. ``scope="rank"`` for state
-        that differs between ranks."""
+        """Save ``participant`` (a :class:`~pimm.engines.state.participants.Participant`,
+        or anything with ``state_dict`` / ``load_state_dict``) in every checkpoint and
+        restore it on resume. ``scope="rank"`` for state that differs between
+        ranks, ``"sharded"`` for FSDP state written through Distributed Checkpoint."""
         self.checkpointer.register(name, participant, scope=scope)
 
     def register_hooks(self, hooks: list[HookBase]) -> None:
+        """Register ``hooks`` (see :meth:`TrainerBase.register_hooks`); ``after_backward``
+        hooks are wired into the optimizer step."""
         super().register_hooks(hooks)
         if hasattr(self, "optim_step"):
             dispatch = self._dispatch["after_backward"]
@@ -227,8 +247,6 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                     self.logger.info(f"This run had stopped early at step {state.global_step} ({state.stop_reason}); "
                                      "resuming continues it")
                     state.stop_reason = None
-                if comm.is_main_process():
-                    self.checkpointer.apply_retention()  # leftovers follow the current retention policy
                 self.logger.info(
                     f"Resumed from {context.path.name}: {state.epoch} epoch(s) done, step {state.global_step}"
                     + (f", {state.iter_in_epoch} step(s) into epoch {state.epoch + 1}" if state.iter_in_epoch else "")
@@ -236,9 +254,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 return True
             self.writer.rewind(0, 0)
         if cfg.weight:
-            key_map = next((getattr(h, "key_map", ()) for h in self.hooks if getattr(h, "restores_checkpoints", False)),
-                           ())
-            load_weights(self.model_without_ddp, cfg.weight, key_map, self.logger)
+            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger)
             return True
         return False
 
@@ -261,6 +277,20 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                                after_commit=files)
         self._model_files = []
         self._last_saved_step = self.global_step
+
+    _snapshot_every: int | None = None
+
+    def align_data_snapshots(self, every_n_steps: int | None) -> None:
+        """Plan checkpoints every ``every_n_steps`` optimizer steps (CheckpointSaver
+        calls it in ``before_train``): the loader of an iterable data set snapshots
+        its state at that cadence, so such a checkpoint holds an exact data
+        position. Several callers: the shortest interval wins. Map-style data sets
+        resume from a sample count and need no snapshots."""
+        if not every_n_steps or data_lib.train_sampler(self.train_loader) is not None:
+            return  # the position is a sample count (LoaderParticipant), exact at any step
+        if self._snapshot_every is None or every_n_steps < self._snapshot_every:
+            self._snapshot_every = every_n_steps
+            self.train_loader.snapshot_every_n_steps = every_n_steps * self.grad_accum_steps
 
     def add_model_file(self, name: str, model: torch.nn.Module) -> None:
         """From ``before_save_checkpoint``: also write ``model/<name>`` for ``model``
@@ -336,15 +366,9 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         continues, as an on-demand evaluation (``val/*`` at the resumed step; no
         best model, no early-stopping or evaluator state change, RNG forked), so
         the training that follows is bit-identical to a resume without it."""
-        evaluators = self.evaluators
-        last_steps = [e.last_step for e in evaluators]
         self.logger.info(f"validate_on_resume: evaluating the resumed weights at step {self.global_step}")
-        try:
-            with fork_rng():  # also covers building the validation loader
-                return self.validate(evaluators, kind="on_demand")
-        finally:
-            for evaluator, last in zip(evaluators, last_steps):
-                evaluator.last_step = last
+        with fork_rng():  # also covers building the validation loader; on_demand leaves last_step alone
+            return self.validate(self.evaluators, kind="on_demand")
 
     def run_epoch(self) -> bool:
         if self._validate_resumed:
@@ -369,20 +393,12 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 f"{self.epoch + 1}; lower train.iters_per_epoch or fix the data set's length"
             ) from None
         t = tracer.complete("data_fetch", t)
-        batch = self._to_device(batch)
+        batch = self.to_device(batch)
         tracer.complete("batch_to_device", t)
         self._data_time += time.perf_counter() - start
         return batch
 
     _data_time = 0.0
-
-    def _to_device(self, batch):
-        if self.device.type == "cpu":
-            return batch
-        if isinstance(batch, dict):
-            return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in batch.items()}
-        return batch.to(self.device, non_blocking=True)
 
     def forward(self, batch) -> dict:
         """The model's training forward pass (under autocast when AMP is on)."""

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from pimm.engines.hooks.base import EvalRun
 from pimm.engines.registries import TESTERS
 from pimm.engines.state import load_weights
 from pimm.engines.sync_points import host_sync
@@ -20,70 +21,15 @@ from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
 from pimm.utils.logger import fit_line
 
-__all__ = ["Evaluation"]
+__all__ = ["Evaluation", "TestScoring"]
 
 
-class Evaluation:
-    """Validation and test methods of DefaultTrainer (a mixin over its state:
-    ``evaluators``, ``metrics``, ``writer``, ``val_loader``, ``test_loader``, ...)."""
+class TestScoring:
+    """Scoring weights on the test split, shared by DefaultTrainer (``FinalEvaluator``
+    tests the best weights after training) and :class:`~pimm.engines.testers.Tester`
+    (``tools/test.py``). A mixin over ``cfg``, ``evaluators``, ``test_loader``,
+    ``model_without_ddp``, ``full_parameters``, ``save_path``, ``logger``."""
 
-    # -- evaluation -------------------------------------------------------
-    @property
-    def eval_model(self) -> torch.nn.Module:
-        """The model evaluations run on (a hook may hand another, e.g. EMA weights)."""
-        return self.model_without_ddp
-
-    def validate(self, evaluators=None, model: torch.nn.Module | None = None, prefix: str = "val",
-                 kind: str = "scheduled") -> dict:
-        """Evaluate ``model`` (default :attr:`eval_model`) on the validation split with
-        ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
-        dispatch ``before_val`` / ``after_val(metrics)``. ``kind``: scheduled,
-        final, on_demand (metrics only: no best model, no side effects)."""
-        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind), host_sync("evaluation"):
-            return self._validate(evaluators, model, prefix, kind)
-
-    def _validate(self, evaluators, model, prefix: str, kind: str) -> dict:
-        evaluators = self.evaluators if evaluators is None else evaluators
-        outer = getattr(self, "validation_kind", None), getattr(self, "validation_prefix", None)
-        try:
-            return self._validate_as(evaluators, model, prefix, kind)
-        finally:  # a validation started from a hook's after_val (EMA weights) leaves the outer one's context
-            self.validation_kind, self.validation_prefix = outer
-
-    def _validate_as(self, evaluators, model, prefix: str, kind: str) -> dict:
-        self.validation_kind, self.validation_prefix = kind, prefix
-        self.call_hooks("before_val")
-        model = self.eval_model if model is None else model
-        start = time.perf_counter()
-        metrics, reports = {}, []
-        shown = {}
-        for evaluator in evaluators:
-            with self.full_parameters(model):  # ranks may run unequal numbers of batches
-                raw = evaluator.evaluate(self.val_loader, model,
-                                         images=evaluator.log_images if self.writer.logs_images else 0)
-            evaluator.last_step = self.global_step
-            shown.update({f"{prefix}_events/{type(evaluator).__name__}/{i}": image
-                          for i, image in enumerate(evaluator.images)})
-            metrics.update({f"{prefix}/{k}": v for k, v in raw.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
-            reports.append(evaluator.report(raw))
-        self.metrics.publish(metrics)
-        self.metrics.flush()
-        self.writer.add_images(shown, self.global_step)
-        self.logger.info(fit_line(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s):",
-                                  [f"{k} {v:.4f}" for k, v in metrics.items()]))
-        for table in reports:
-            if table:
-                self.logger.info(table)
-        best = self.metrics.best
-        if kind != "on_demand" and best.name in metrics and self.metrics.update_best(best.name, metrics[best.name],
-                                                                                     self.global_step):
-            self.save_model_file("model_best.pth", metric=best.value, metric_name=best.name)
-            self.logger.info(f"New best {best.name}={best.value:.4f}: saved model/model_best.pth")
-        self.call_hooks("after_val", metrics)
-        return metrics
-
-    # -- test -----------------------------------------------------------------
     def test_evaluators(self) -> list:
         """What scores the test split: the config's tester (``test = dict(type=...)``
         from TESTERS) when it names one, else the evaluator hooks."""
@@ -101,14 +47,13 @@ class Evaluation:
         return self.evaluators
 
     def test(self, weight=None) -> dict:
-        """Score ``weight`` (default ``cfg.weight``; None here means the current
-        weights) on the test split; the weights must fit the model exactly.
-        Writes ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
+        """Score ``weight`` (a model file; None: the weights the model holds now) on
+        the test split; the weights must fit the model exactly. Writes
+        ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
         with host_sync("evaluation"):  # evaluators read their results on the host
             return self._test(weight)
 
     def _test(self, weight) -> dict:
-        weight = self.cfg.weight if weight is None and self.mode == "test" else weight
         evaluators = self.test_evaluators()
         if weight is not None:
             load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
@@ -132,6 +77,65 @@ class Evaluation:
                                        allow_nan=False))
             self.logger.info(f"Wrote {path}")
         return results
+
+
+class Evaluation(TestScoring):
+    """Validation and test methods of DefaultTrainer (a mixin over its state:
+    ``evaluators``, ``metrics``, ``writer``, ``val_loader``, ``test_loader``, ...)."""
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The model evaluations run on (a hook may hand another, e.g. EMA weights)."""
+        return self.model_without_ddp
+
+    def validate(self, evaluators=None, model: torch.nn.Module | None = None, prefix: str = "val",
+                 kind: str = "scheduled", weights: str = "trained") -> dict:
+        """Evaluate ``model`` (default :attr:`eval_model`) on the validation split with
+        ``evaluators`` (default: all), publish ``<prefix>/<name>`` scalars and
+        dispatch ``before_val(run)`` / ``after_val(metrics, run)`` with the
+        :class:`~pimm.engines.hooks.base.EvalRun` describing it. ``kind``:
+        scheduled, final, on_demand (metrics only: no best model, no decision,
+        no evaluator schedule moves); ``weights``: ``"trained"``, or the label of
+        other weights a hook hands in (``"ema"``)."""
+        evaluators = tuple(self.evaluators if evaluators is None else evaluators)
+        model = self.eval_model if model is None else model
+        run = EvalRun(kind=kind, prefix=prefix, step=self.global_step, model=model, evaluators=evaluators,
+                      weights=weights)
+        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind), host_sync("evaluation"):
+            return self._validate(run)
+
+    def _validate(self, run: EvalRun) -> dict:
+        self.call_hooks("before_val", run)
+        prefix, model = run.prefix, run.model
+        start = time.perf_counter()
+        metrics, reports = {}, []
+        shown = {}
+        for evaluator in run.evaluators:
+            with self.full_parameters(model):  # ranks may run unequal numbers of batches
+                raw = evaluator.evaluate(self.val_loader, model,
+                                         images=evaluator.log_images if self.writer.logs_images else 0)
+            evaluator.mark_evaluated(run)
+            shown.update({f"{prefix}_events/{type(evaluator).__name__}/{i}": image
+                          for i, image in enumerate(evaluator.images)})
+            metrics.update({f"{prefix}/{k}": v for k, v in raw.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            reports.append(evaluator.report(raw))
+        self.metrics.publish(metrics)
+        self.metrics.flush()
+        self.writer.add_images(shown, self.global_step)
+        self.logger.info(fit_line(f"Eval at step {self.global_step} ({time.perf_counter() - start:.1f}s):",
+                                  [f"{k} {v:.4f}" for k, v in metrics.items()]))
+        for table in reports:
+            if table:
+                self.logger.info(table)
+        best = self.metrics.best
+        counts = run.kind != "on_demand" and run.of_trained_weights
+        if counts and best.name in metrics and self.metrics.update_best(best.name, metrics[best.name],
+                                                                        self.global_step):
+            self.save_model_file("model_best.pth", metric=best.value, metric_name=best.name)
+            self.logger.info(f"New best {best.name}={best.value:.4f}: saved model/model_best.pth")
+        self.call_hooks("after_val", metrics, run)
+        return metrics
 
 
 def _json_finite(value):

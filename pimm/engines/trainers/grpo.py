@@ -165,10 +165,17 @@ class GRPOTrainer(DefaultTrainer):
         self._first_step = True
         super().__init__(cfg, **options)
         self.samples_per_step = 0  # samples are counted per rollout, in run_step
-        if self.mode == "train":
-            self._cache = RolloutCache(self.device, self.step_per)
-            self.track("grpo_rollout", self._cache, scope="rank")
-            self.optim_step.track_grad_norm = True  # grad_norm is logged every update
+        self.optim_step.track_grad_norm = True  # grad_norm is logged every update
+
+    def build_components(self, *args, **kwargs) -> None:
+        """DefaultTrainer's components and the rollout cache."""
+        super().build_components(*args, **kwargs)
+        self._cache = RolloutCache(self.device, self.step_per)
+
+    def extra_state(self) -> list[tuple]:
+        """The cached rollout (per rank): a checkpoint between two updates of a
+        rollout resumes with the same rollout."""
+        return [("grpo_rollout", self._cache, "rank")]
 
     @property
     def steps_per_rollout(self) -> int:
@@ -177,9 +184,10 @@ class GRPOTrainer(DefaultTrainer):
 
     # -- builders --------------------------------------------------------------------
     def build_model(self) -> nn.Module:
+        """The policy model; it must provide the GRPO contract (docs/grpo.md)."""
         model = super().build_model()
         missing = [name for name in _CONTRACT if not callable(getattr(model, name, None))]
-        if missing and self.mode == "train":
+        if missing:
             raise ConfigError(f"GRPOTrainer needs a policy model: {type(model).__name__} has no "
                               f"{' / '.join(missing)} (see docs/grpo.md)")
         return model

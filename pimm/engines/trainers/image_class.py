@@ -8,8 +8,6 @@ point-cloud collate by mistake.
 
 from __future__ import annotations
 
-from torch.utils.data import default_collate
-
 from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.registries import TRAINERS
 
@@ -21,7 +19,5 @@ class ImageClassTrainer(DefaultTrainer):
     """DefaultTrainer for dense image batches: torch's default (stacking)
     collate unless the config names one; everything else, resume included, is the
     DefaultTrainer's."""
-    def _resolve_collate(self, spec, dataset):
-        if spec is None:
-            return default_collate
-        return super()._resolve_collate(spec, dataset)
+
+    default_collate_fn = "default_collate"

@@ -19,5 +19,5 @@ class InsegTrainer(DefaultTrainer):
     """DefaultTrainer with ``inseg_collate_fn`` for training and validation
     (instance ids unique across the events of a batch); ``collate_fn`` and
     ``val_collate_fn`` override it."""
-    def __init__(self, cfg, collate_fn="inseg_collate_fn", val_collate_fn=None, **options):
-        super().__init__(cfg, collate_fn=collate_fn, val_collate_fn=val_collate_fn or collate_fn, **options)
+
+    default_collate_fn = "inseg_collate_fn"
