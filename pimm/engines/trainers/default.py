@@ -254,7 +254,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 return True
             self.writer.rewind(0, 0)
         if cfg.weight:
-            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger)
+            # CheckpointLoader(strict=True): every model tensor from the file and none left over.
+            strict = any(getattr(h, "strict", False) is True for h in self.hooks)
+            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger,
+                         strict=strict, allow_unexpected=not strict)
             return True
         return False
 
