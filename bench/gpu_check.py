@@ -19,9 +19,12 @@ Rows (each prints ``ok``/``FAIL``/``skipped`` and its figures):
 * ``sparse-unet``: the sparse U-Net step (reference vs current) time and
   peak memory (``max_memory_allocated`` on a GPU; on a CPU the profiler's
   tensor-memory peak, as ``bench/sparse_unet.py``). Runs on a CPU too;
-* ``sync-debug``: 30 engine steps with ``torch.cuda.set_sync_debug_mode
-  ("error")`` around each step's forward, backward and optimizer step (the
-  logging flush, evaluation and checkpoints sync by design and run outside).
+* ``sync-debug``: the trainings of ``tests/test_no_host_sync.py``
+  (DefaultTrainer, InsegTrainer, GRPOTrainer, 100 steps each, default hooks
+  plus an evaluator and checkpoints) under ``torch.cuda.set_sync_debug_mode
+  ("error")`` for the whole of ``train()``, except inside the moments the
+  engine marks as syncing by design (:mod:`pimm.engines.sync_points`: metric
+  flush, evaluation, checkpoint, GRPO rollout).
 
 Without a GPU every CUDA row is skipped with its reason and the script still
 runs end to end (exit 0); a failed row makes the exit status 1. Under 5
@@ -287,24 +290,34 @@ def row_sparse(quick: bool) -> str:
 
 
 def row_sync_debug(workdir: Path) -> str:
+    """The trainings of ``tests/test_no_host_sync.py`` (DefaultTrainer, InsegTrainer,
+    GRPOTrainer, 100 steps each) under ``set_sync_debug_mode("error")`` from the
+    start of ``train()`` to its end, switched to "default" exactly inside the
+    moments the engine marks (metric flush, evaluation, checkpoint, rollout)."""
     need_cuda()
-    from pimm.engines.hooks import HookBase
+    from pimm.engines import sync_points
+    from tests.support.sync_runs import grpo_trainer, inseg_trainer, toy_trainer
 
-    class SyncDebug(HookBase):
-        priority = "VERY_HIGH"  # first in before_step, first in after_step: only the step itself is watched
+    def switch(inside: bool) -> None:
+        torch.cuda.set_sync_debug_mode("default" if inside else "error")
 
-        def before_step(self):
-            torch.cuda.set_sync_debug_mode("error")
-
-        def after_step(self):
+    done = []
+    for name, build in (("DefaultTrainer", toy_trainer), ("InsegTrainer", inseg_trainer),
+                        ("GRPOTrainer", grpo_trainer)):
+        folder = workdir / f"sync-{name}"
+        folder.mkdir()
+        trainer = build(folder)
+        try:
+            with sync_points.on_moments(switch):
+                torch.cuda.set_sync_debug_mode("error")
+                trainer.train()
+        except RuntimeError as err:
+            raise RuntimeError(f"{name}: {err}") from err
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-
-    trainer = build_in_process(toy_config(workdir, "sync-debug"), ["epoch=3", "evaluate=False"], [SyncDebug()])
-    try:
-        trainer.train()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return f"ok      {trainer.global_step} steps under set_sync_debug_mode('error'): no host sync in the step"
+        done.append(f"{name} {trainer.global_step}")
+    return "ok      no host sync outside flush/eval/checkpoint/rollout under sync_debug_mode('error'): " + \
+        ", ".join(done) + " steps"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support.run import non_log_lines  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
 
 PARALLEL = 3
-LOG_LINE = re.compile(r"(\[rank\d+\] )?\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+\] ")  # pimm's console format
 
 
 @dataclass
@@ -260,7 +259,7 @@ def test_bad_input_exits_2_with_one_error_line(case, results):
     proc = result["proc"]
     assert proc.returncode == 2, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
     # stderr also carries the log lines written before the error (logs go to stderr, like Python's logging)
-    lines = [line for line in proc.stderr.splitlines() if not LOG_LINE.match(line)]
+    lines = non_log_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
     for culprit in case.culprits:
         assert culprit in lines[0], f"{culprit!r} not named in: {lines[0]}"

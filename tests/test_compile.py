@@ -12,7 +12,7 @@ import torch
 
 from pimm.engines.compile import check_compile, compile_model
 from pimm.utils.errors import ConfigError, UserError
-from tests.support.run import run_tool, write_toy_config
+from tests.support.run import non_log_lines, run_tool, write_toy_config
 from tests.test_resume import SIGKILLED, Run, assert_clean_losses, assert_same_weights
 
 COMPILED = ("compile.enabled=True",)
@@ -53,7 +53,7 @@ def test_a_model_that_cannot_compile_fails_in_one_line_naming_it(tmp_path):
     result = run_tool("train", config, "epoch=1", "compile.enabled=True", "compile.fullgraph=True",
                       "compile.backend='eager'")
     assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = non_log_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: compile: model BranchyMLP cannot be compiled"), lines
     assert "fullgraph=False" in lines[0]
     assert "Traceback" in (tmp_path / "run" / "train.log").read_text()  # the details are in the log

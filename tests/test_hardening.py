@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.run import ROOT, env, run_tool, write_toy_config
+from tests.support.run import ROOT, non_log_lines, env, run_tool, write_toy_config
 
-LOG_LINE = re.compile(r"(\[rank\d+\] )?\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+\] ")  # pimm's console format
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +89,7 @@ data = dict(train=dict(type="SlowToyDataset", build_seconds=60, marker={str(mark
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75
     # the log lines written before the signal are on stderr too (logs go to stderr, like Python's logging)
-    assert [line for line in stderr.strip().splitlines() if not LOG_LINE.match(line)] == [
+    assert non_log_lines(stderr) == [
         "error: pre-empted by SIGTERM during start-up, before training began; nothing was lost: rerun with "
         "resume=True (exit code 75)"]
 

@@ -20,7 +20,7 @@ import torch
 import pimm.datasets  # noqa: F401  (registers the GRPO data sets and models used in-process)
 import pimm.evaluation  # noqa: F401
 import pimm.models  # noqa: F401
-from tests.support.run import ROOT, env, run_tool, write_toy_config
+from tests.support.run import ROOT, env, non_log_lines, run_tool, write_toy_config
 
 HOSTILE = 'custom_imports = ["tests.support.toy", "tests.support.hostile"]\n'
 
@@ -46,7 +46,7 @@ def _training(save: Path) -> bool:
 
 
 def _one_error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = non_log_lines(stderr)  # log lines share stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
     return lines[0]
 

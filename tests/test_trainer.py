@@ -12,7 +12,6 @@ import json
 import struct
 import sys
 import math
-import re
 import textwrap
 from pathlib import Path
 
@@ -28,12 +27,11 @@ from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.runtime import apply_runtime_defaults  # noqa: E402
 from pimm.utils.config import Config  # noqa: E402
-from tests.support.run import final_weights, run_tool, train_losses, write_toy_config  # noqa: E402
+from tests.support.run import final_weights, non_log_lines, run_tool, train_losses, write_toy_config  # noqa: E402
 from tests.support.toy import ToyMLP  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH = 3, 10  # the toy config: 160 samples, batch 16
 TQDM_MARKERS = ("%|", "it/s]", "s/it]")
-LOG_LINE = re.compile(r"(\[rank\d+\] )?\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+\] ")  # pimm's console format
 
 WITH_PROGRESS_BAR = """
 hooks = hooks + [dict(type="ProgressBar")]
@@ -75,7 +73,7 @@ def read_tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
 
 def assert_single_error_line(stderr: str, prefix: str) -> str:
     # the log lines before the error are on stderr too (logs go to stderr, like Python's logging)
-    lines = [line for line in stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
+    lines = non_log_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith(prefix), stderr
     assert "Traceback" not in stderr
     return lines[0]

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from pimm.engines.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 
@@ -235,7 +236,8 @@ class MetricChannel:
         if not pending:
             return []
         t0 = self.tracer.now() if self.tracer is not None else 0
-        values = _reduce_tensors(pending)
+        with host_sync("metric flush"):  # the one host read of everything published since the last flush
+            values = _reduce_tensors(pending)
         if self.tracer is not None:
             self.tracer.complete("metric_sync", t0)
         records, kinds = [], []

@@ -317,7 +317,21 @@ def validate_runtime(cfg, world_size: int) -> None:
 
 
 def apply_process_settings(cfg) -> None:
-    """Process-wide torch settings the config asks for (before anything is built)."""
+    """Process-wide torch settings the config asks for; the trainer applies them
+    before it builds anything (model, loaders, optimizer).
+
+    ``matmul_precision``: ``torch.set_float32_matmul_precision`` (``'highest'``,
+    ``'high'``: TF32 on Ampere and later, ``'medium'``).
+
+    ``deterministic=True``: ``torch.use_deterministic_algorithms(True)`` (an op
+    without a deterministic implementation raises, naming itself), cuDNN
+    deterministic with benchmarking off, no TF32 in float32 matmuls and cuDNN
+    convolutions (it overrides ``matmul_precision``), and
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless the environment sets it: cuBLAS
+    reads it when it creates its handle, at the process's first matmul on the
+    GPU, which comes later (the launcher only selects the device and joins the
+    process group). ``deterministic=False`` leaves torch's settings as found.
+    """
     import torch
 
     if cfg.matmul_precision is not None:
@@ -327,7 +341,9 @@ def apply_process_settings(cfg) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        # The same API as matmul_precision (torch warns when the legacy allow_tf32 flag and
+        # the precision API are mixed for matmuls); cuDNN has only its flag.
+        torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = False
 
 

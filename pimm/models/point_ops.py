@@ -34,10 +34,13 @@ __all__ = [
 ]
 
 
-def offset2batch(offset: torch.Tensor) -> torch.Tensor:
-    """(B,) cumulative end indices -> (N,) event index of every point."""
+def offset2batch(offset: torch.Tensor, num_points: int | None = None) -> torch.Tensor:
+    """(B,) cumulative end indices -> (N,) event index of every point.
+
+    Pass ``num_points`` (N, e.g. ``coord.shape[0]``) when it is known: on a GPU
+    the output size then needs no read of ``offset`` (no host sync)."""
     counts = torch.diff(offset, prepend=offset.new_zeros(1))
-    return torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
+    return torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts, output_size=num_points)
 
 
 def batch2offset(batch: torch.Tensor, num_events: int | None = None) -> torch.Tensor:
@@ -55,7 +58,9 @@ def scatter_sum(src: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tens
 def scatter_mean(src: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
     """Mean of rows of ``src`` per bucket; empty buckets give 0."""
     total = scatter_sum(src, index, size)
-    count = torch.bincount(index, minlength=size).clamp_min(1).to(src.dtype)
+    # Counted by index_add into ``size`` buckets, not bincount: a CUDA bincount reads the
+    # index's range on the host (a sync) to size its output.
+    count = src.new_zeros(size).index_add_(0, index, src.new_ones(index.shape[0])).clamp_min(1)
     return total / count.view((-1,) + (1,) * (src.dim() - 1))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,16 @@ hooks = [
     dict(type="CheckpointSaver", save_freq=5),
 ]
 '''
+
+
+# pimm's console log format. Logs share stderr with a failure's one ``error:``
+# line (as with Python's logging), so the one-line rule is checked on the rest.
+LOG_LINE = re.compile(r"(\[rank\d+\] )?\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+\] ")
+
+
+def non_log_lines(stderr: str) -> list[str]:
+    """The non-empty lines of ``stderr`` that are not pimm log lines."""
+    return [line for line in stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
 
 
 def write_toy_config(directory: Path, save_path: Path, extra: str = "") -> Path:

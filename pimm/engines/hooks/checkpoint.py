@@ -127,16 +127,30 @@ class CheckpointLoader(HookBase):
     """Warm-start options for ``weight=PATH``: ``key_map=[(old_prefix, new_prefix), ...]``
     renames the file's keys. It is upstream's spelling of the runtime key
     ``weight_key_map``, which this hook sets in ``modify_config``; the trainer
-    reads only the key. (``resume=True`` needs no hook: the trainer restores
-    every participant before any hook runs.)"""
+    reads only the key. Upstream's other spelling works too: ``keywords=`` /
+    ``replacement=`` (one rule) or ``replacements={old: new}`` (the longest
+    matching prefix wins); ``strict=True`` then requires every model tensor
+    from the file and no tensor left over. (``resume=True`` needs no hook: the
+    trainer restores every participant before any hook runs.)"""
 
     priority = "VERY_HIGH"
 
-    def __init__(self, key_map=()):
+    def __init__(self, key_map=(), keywords="", replacement=None, replacements=None, strict=False):
         try:
             self.key_map = [(str(old), str(new)) for old, new in key_map]
         except (TypeError, ValueError):
             raise ValueError(f"key_map must be a list of (old_prefix, new_prefix) pairs, got {key_map!r}") from None
+        if replacements is not None and not isinstance(replacements, dict):
+            raise ValueError(f"replacements must be a {{old_prefix: new_prefix}} dict, got {replacements!r}")
+        rules = list((replacements or {}).items())
+        if keywords:
+            rules.append((keywords, keywords if replacement is None else replacement))
+        # Upstream matches the keys without their DDP "module." prefix, longest keyword first.
+        rules = [(str(old).removeprefix("module."), str(new).removeprefix("module.")) for old, new in rules if old]
+        self.key_map += sorted(rules, key=lambda rule: len(rule[0]), reverse=True)
+        if not isinstance(strict, bool):
+            raise ValueError(f"strict must be True or False, got {strict!r}")
+        self.strict = strict
 
     def modify_config(self, cfg) -> None:
         """Put ``key_map`` into ``cfg.weight_key_map`` (a differing key already there is an error)."""

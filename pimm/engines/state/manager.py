@@ -24,7 +24,8 @@ Saving the same step again heals: a committed folder that fails its check,
 or a step folder without a manifest, is moved aside (``.damaged-...``, kept
 for inspection, never resumed from) and the step is written anew.
 
-Saving blocks training only while the states are copied; a background
+Saving blocks training only while the states are copied (CUDA tensors into
+pinned host buffers reused from save to save, :mod:`.snapshot`); a background
 writer (``async_write``) then writes the files, and rank 0 commits once every
 rank's file is on disk (each rank leaves a done-marker; no collective runs
 beside training). One write is in flight at a time, and the end of training
@@ -41,7 +42,6 @@ before the rest; their files are checksummed into the same manifest.
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
 import logging
@@ -51,7 +51,6 @@ import shutil
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 
 from pimm.engines.state.participants import as_participant
+from pimm.engines.state.snapshot import SnapshotBuffers
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
@@ -153,23 +153,6 @@ def _write_json_synced(obj: Any, path: Path) -> None:
         raise _naming(path, err) from err
 
 
-def _frozen(obj: Any) -> Any:
-    """A snapshot of a state dict that training can no longer change: tensors
-    copied to CPU, everything else deep-copied."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if type(obj) is dict:
-        return {k: _frozen(v) for k, v in obj.items()}
-    if type(obj) is OrderedDict:  # a module's state dict: keep its version metadata
-        out = OrderedDict((k, _frozen(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = copy.deepcopy(obj._metadata)
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_frozen(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
 def _file_crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as fh:
@@ -258,6 +241,7 @@ class CheckpointManager:
         self._per_rank: dict[str, Any] = {}
         self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
+        self.snapshot_buffers = SnapshotBuffers()  # pinned host buffers for CUDA states, reused across saves
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
@@ -319,8 +303,14 @@ class CheckpointManager:
         # On every rank: gathering may be a collective (sharded states).
         shared = self._collect(self._shared)  # on every rank: gathering may be a collective
         sharded = self._collect(self._sharded)
-        shared = _frozen(shared) if rank == 0 else None
-        per_rank = _frozen(self._collect(self._per_rank))
+        # The copies training can no longer change: CUDA tensors into reused pinned buffers,
+        # one wait for all of them (pimm.engines.state.snapshot).
+        snapshot = self.snapshot_buffers.snapshot()
+        shared = snapshot.freeze(shared, ("shared",)) if rank == 0 else None
+        per_rank = snapshot.freeze(self._collect(self._per_rank), ("rank",))
+        after = tuple((snapshot.freeze(obj, ("after", i)), path) for i, (obj, path) in enumerate(after_commit)
+                      ) if rank == 0 else ()
+        snapshot.finish()
         existing = comm.broadcast_object(self.verify(final) if rank == 0 and final.exists() else None)
         if existing == "ok":
             return final  # this step is already committed and intact
@@ -342,7 +332,6 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - start
         manifest = {"global_step": global_step, "epoch": epoch, "world_size": comm.get_world_size(),
                     **({"sharded": list(self._sharded)} if self._sharded else {}), **(extra_manifest or {})}
-        after = tuple((_frozen(obj), path) for obj, path in after_commit) if rank == 0 else ()
         job = (tmp, final, rank, shared, per_rank, manifest, after, start)
         if self.async_write:
             self._writer = threading.Thread(target=self._write_guarded, args=job, name="checkpoint-writer")

@@ -65,13 +65,15 @@ def _short(keys: list[str], limit: int = 8) -> str:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple = (), logger=None,
-                 strict: bool = False) -> dict:
+                 strict: bool = False, allow_unexpected: bool = True) -> dict:
     """Copy tensors from ``path`` into ``model``; returns a report
     ``{"loaded", "missing", "unexpected", "mismatched"}``.
 
     ``key_map`` is a list of ``(old_prefix, new_prefix)`` pairs applied to the
     file's keys (the ``module.`` prefix of DDP and the ``_orig_mod.`` prefix
-    of a ``torch.compile`` wrapper, as saved by other tools, are always stripped)."""
+    of a ``torch.compile`` wrapper, as saved by other tools, are always stripped).
+    ``strict`` with ``allow_unexpected=False`` also refuses file tensors the
+    model has no place for (``CheckpointLoader(strict=True)``: every tensor used)."""
     path = Path(path)
     renamed = {}
     for key, tensor in read_weights(path).items():
@@ -89,12 +91,15 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
     missing = [k for k in own if k not in usable]
     unexpected = [k for k in renamed if k not in own]
     name = type(model).__name__
-    if strict and (missing or mismatched):
+    left_over = [] if allow_unexpected else unexpected
+    if strict and (missing or mismatched or left_over):
         absent = [k for k in missing if k not in mismatched_keys]
         parts = ([f"not in the file: {_short(absent)}"] if absent else []) + \
-                ([f"shape mismatch: {_short(mismatched)}"] if mismatched else [])
-        raise CheckpointError(f"weight={str(path)!r} does not fit {name} ({'; '.join(parts)}); "
-                              "evaluate it with the config it was trained with")
+                ([f"shape mismatch: {_short(mismatched)}"] if mismatched else []) + \
+                ([f"not in the model: {_short(left_over)}"] if left_over else [])
+        hint = ("evaluate it with the config it was trained with" if allow_unexpected else
+                "rename keys with CheckpointLoader(keywords=..., replacement=...) or load with strict=False")
+        raise CheckpointError(f"weight={str(path)!r} does not fit {name} ({'; '.join(parts)}); {hint}")
     if not usable:
         raise CheckpointError(
             f"weight={str(path)!r} shares no parameter with {name} (file keys look like {list(renamed)[:3]}, "

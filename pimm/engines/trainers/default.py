@@ -35,6 +35,7 @@ from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant
 from pimm.engines.state.restore import flatten_config
 from pimm.engines.state.resume_from import is_checkpoint_choice, restore_from
 from pimm.engines.state.sharded import ShardedModelParticipant, ShardedOptimizerParticipant
+from pimm.engines.sync_points import host_sync
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.engines.trainers.evaluation import Evaluation
@@ -233,6 +234,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     def restore(self) -> bool:
         """``resume``: every participant from the newest usable checkpoint;
         otherwise ``weight=``: copy matching weights into the model."""
+        with host_sync("checkpoint"):  # before the first step; a restore reads states on the host
+            return self._restore()
+
+    def _restore(self) -> bool:
         cfg = self.cfg
         if cfg.resume and cfg.get("validate_on_resume") and not (self.evaluators and cfg.evaluate):
             raise ConfigError("validate_on_resume=True needs an evaluator hook and evaluate=True (add e.g. "
@@ -264,7 +269,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 return True
             self.writer.rewind(0, 0)
         if cfg.weight:
-            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger)
+            # CheckpointLoader(strict=True): every model tensor from the file and none left over.
+            strict = any(getattr(h, "strict", False) is True for h in self.hooks)
+            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger,
+                         strict=strict, allow_unexpected=not strict)
             return True
         return False
 
@@ -273,7 +281,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         (a collective: every rank calls it at the same step)."""
         if self._last_saved_step == self.global_step:
             return
-        with self.tracer.long_span("checkpoint_save"):
+        with self.tracer.long_span("checkpoint_save"), host_sync("checkpoint"):  # states are copied to the host
             self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
@@ -325,7 +333,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     def save_model_file(self, name: str, model: torch.nn.Module | None = None, **fields) -> None:
         """``model/<name>`` now: plain weights for inference and warm starts (every rank
         gathers, rank 0 writes)."""
-        payload = self.model_file_payload(model, **fields)
+        with host_sync("checkpoint"):  # the weights are copied to the host
+            payload = self.model_file_payload(model, **fields)
         if comm.is_main_process():
             atomic_torch_save(payload, self.save_path / "model" / name)
 
@@ -539,5 +548,8 @@ def batch_stats(batch, samples: int) -> dict:
     stats = {"samples": samples}
     offset = batch.get("offset") if isinstance(batch, dict) else None
     if isinstance(offset, torch.Tensor) and offset.numel():
-        stats["points"] = int(offset[-1])
+        coord = batch.get("coord")
+        # The points are coord's rows: a shape, where reading offset[-1] would make the
+        # host wait for the device at every traced step.
+        stats["points"] = coord.shape[0] if isinstance(coord, torch.Tensor) else int(offset[-1])
     return stats

@@ -15,6 +15,7 @@ import torch
 from pimm.engines.hooks.base import EvalRun
 from pimm.engines.registries import TESTERS
 from pimm.engines.state import load_weights
+from pimm.engines.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
@@ -49,6 +50,10 @@ class TestScoring:
         """Score ``weight`` (a model file; None: the weights the model holds now) on
         the test split; the weights must fit the model exactly. Writes
         ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
+        with host_sync("evaluation"):  # evaluators read their results on the host
+            return self._test(weight)
+
+    def _test(self, weight) -> dict:
         evaluators = self.test_evaluators()
         if weight is not None:
             load_weights(self.model_without_ddp, weight, logger=self.logger, strict=True)
@@ -96,7 +101,7 @@ class Evaluation(TestScoring):
         model = self.eval_model if model is None else model
         run = EvalRun(kind=kind, prefix=prefix, step=self.global_step, model=model, evaluators=evaluators,
                       weights=weights)
-        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind):
+        with self.tracer.long_span("evaluate", prefix=prefix, kind=kind), host_sync("evaluation"):
             return self._validate(run)
 
     def _validate(self, run: EvalRun) -> dict:

@@ -56,6 +56,7 @@ from pimm.engines import data as data_lib
 from pimm.engines.parallel import shard_model
 from pimm.engines.registries import TRAINERS
 from pimm.engines.scheduler import build_scheduler
+from pimm.engines.sync_points import host_sync
 from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.trainers.grpo_pimm import (_global_totals, combine_micro_batch_metrics,  # noqa: F401 (re-exported)
                                              PimmFormat, reward_health, split_rollout)
@@ -272,14 +273,21 @@ class GRPOTrainer(DefaultTrainer):
         batch = self.next_batch()
         tracer = self.tracer
         t = tracer.now()
-        rollout = self._sample_rollout(batch)
-        self._cache.start(rollout, batch)
-        tracer.complete("rollout", t)
-        self._watch_rewards(self._cache)
-        if tracer.batch_stats_every:
-            tracer.counter("rollout", **{"events": self.batch_size_per_rank, **_format_of(rollout).batch_stats(rollout)})
+        # A rollout may make the host wait for the device, once per rollout (not per update):
+        # sampling decides on the host when every trajectory has stopped, the global totals
+        # (trajectories, active steps, longest trajectory) that normalise the loss are host
+        # numbers all-reduced across ranks, and the reward-health check that warns or stops
+        # the run reads the rewards. The updates that follow queue device work only.
+        with host_sync("rollout"):
+            rollout = self._sample_rollout(batch)
+            self._cache.start(rollout, batch)
+            tracer.complete("rollout", t)
+            self._watch_rewards(self._cache)
+            if tracer.batch_stats_every:
+                tracer.counter("rollout", **{"events": self.batch_size_per_rank,
+                                             **_format_of(rollout).batch_stats(rollout)})
+            avg_pts = data_lib.points_per_sample([data_lib.point_batch_size(batch)])
         self.train_state.samples_seen += self.batch_size_per_rank * self.world_size
-        avg_pts = data_lib.points_per_sample([data_lib.point_batch_size(batch)])
         return {} if avg_pts is None else {"avg_pts": avg_pts}
 
     def _update(self, update_index: int) -> dict[str, torch.Tensor]:

@@ -80,7 +80,7 @@ class ProposalNet(nn.Module):
         lower = torch.floor(position)
         upper_weight = (position - lower)[:, None]
         lower = lower.long().remainder(self.num_bins)
-        events = offset2batch(offset)
+        events = offset2batch(offset, coord.shape[0])  # the size given: no host read of offset
         num_events = len(offset)
         slots = torch.cat([events * self.num_bins + lower, events * self.num_bins + (lower + 1) % self.num_bins])
         binned = scatter_sum(torch.cat([hidden * (1.0 - upper_weight), hidden * upper_weight]), slots,
@@ -226,12 +226,16 @@ class TrackProposalPolicy(nn.Module):
         trajectories = {
             "actions": actions, "action_mask": action_mask, "old_logp": old_logp, "rewards": rewards,
             "advantages": self.objective.advantages(rewards, event_index, num_events), "event_index": event_index,
+            # The same on the host: an update picks its micro-batch's events from these without
+            # reading device values (a rollout may sync, the updates after it do not).
+            "host_event_index": torch.arange(num_events).repeat_interleave(self.num_generations),
         }
         if self.reference is not None:
             self.reference.ensure(self.policy)
             ref_logits = self.reference(batch)[event_index]
             trajectories["ref_logp"], _ = self.trajectory_logp(ref_logits, actions, action_mask)
         context = {k: batch[k] for k in ("coord", "feat", "offset")}
+        context["host_offset"] = batch["offset"].cpu()  # read once per rollout, see host_event_index
         return {"trajectories": trajectories, "context": context,
                 "metrics": rollout_metrics(rewards, event_index, action_mask)}
 
@@ -239,8 +243,12 @@ class TrackProposalPolicy(nn.Module):
         """This micro-batch's share of the GRPO loss and metrics (see docs/grpo.md)."""
         traj = rollout["trajectories"]
         context = rollout["context"]
-        events, local = torch.unique(traj["event_index"], return_inverse=True)
-        logits = self.policy(_select_events(context, events))[local]
+        # On the host when the rollout holds host copies (it always does, unless a resume moved
+        # them to the device): no host sync in the update.
+        index = traj.get("host_event_index", traj["event_index"])
+        events, local = torch.unique(index, return_inverse=True)
+        device = context["coord"].device
+        logits = self.policy(_select_events(context, events))[local.to(device, non_blocking=True)]
         logp, entropy = self.trajectory_logp(logits, traj["actions"], traj["action_mask"], with_entropy=True)
         loss, metrics = self.objective.loss(logp, traj["old_logp"], traj["advantages"], traj["action_mask"],
                                             RolloutTotals.of_rollout(rollout), ref_logp=traj.get("ref_logp"),
@@ -249,10 +257,16 @@ class TrackProposalPolicy(nn.Module):
 
 
 def _select_events(batch: dict, events: torch.Tensor) -> dict:
-    """The sub-batch of ``events`` (sorted indices) of a point batch."""
-    offset = batch["offset"]
+    """The sub-batch of ``events`` (sorted indices) of a point batch. The point
+    indices are worked out next to ``events`` (on the host when ``events`` and
+    ``batch["host_offset"]`` are host tensors) and only gathered on the device."""
+    offset = batch.get("host_offset", batch["offset"])
     if len(events) == len(offset):
         return batch
-    keep = torch.isin(offset2batch(offset), events)
+    offset = offset.to(events.device)
+    keep = torch.isin(offset2batch(offset), events).nonzero().squeeze(1)
     counts = torch.diff(offset, prepend=offset.new_zeros(1))[events]
-    return {"coord": batch["coord"][keep], "feat": batch["feat"][keep], "offset": torch.cumsum(counts, 0)}
+    device = batch["coord"].device
+    keep = keep.to(device, non_blocking=True)
+    return {"coord": batch["coord"].index_select(0, keep), "feat": batch["feat"].index_select(0, keep),
+            "offset": torch.cumsum(counts, 0).to(device, non_blocking=True)}

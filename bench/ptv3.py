@@ -1,0 +1,258 @@
+"""Forward + backward time of the PT-v3 backbone, with a breakdown.
+
+The model of ``configs/lartpc/semseg-ptv3.py`` (``DefaultSegmentorV2`` over
+``PT-v3m2``, or ``--config``) trains on ``--batches`` batches of
+``--events`` LArTPC events through the config's own transforms, one thread
+(``--threads``), on ``--device``. A step is forward + loss + backward (no
+optimizer step). After one untimed pass, ``--rounds`` passes over the
+batches are timed; the median seconds per step is reported with points per
+second.
+
+Breakdown (forward + backward of each piece, replayed in isolation on the
+inputs it saw in a real forward, summed over the step's calls):
+
+* ``serialization``: space-filling-curve codes, orders and inverses of every
+  level (no backward);
+* ``attention``: the patch attention (qkv, SDPA over the padded patches,
+  projection);
+* ``cpe``: the sparse convolutions (CPE, and PT-v3m1's stem) with their
+  kernel maps (built once per level and cached, so the first call of a level
+  pays for the map);
+* ``pooling``: grid / serialized pooling (re-serialization excluded, it is in
+  ``serialization``) and un-pooling.
+
+The rest of a step (MLPs, norms, the head and the loss) is ``other``. The
+script also checks the largest attention operand: ``(patches, heads, K,
+dim)``, never ``N x N``.
+
+    python bench/ptv3.py [--rounds 3] [--batches 2] [--events 8] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import pimm.datasets  # noqa: E402,F401  (registers the data set and transforms)
+import pimm.models  # noqa: E402,F401  (registers the models)
+from pimm.datasets.collate import point_collate_fn  # noqa: E402
+from pimm.engines.registries import DATASETS, MODELS  # noqa: E402
+from pimm.models.ptv3 import attention as attention_module  # noqa: E402
+from pimm.models.ptv3 import pooling as pooling_module  # noqa: E402
+from pimm.models.ptv3.structure import Point  # noqa: E402
+from pimm.utils.config import Config  # noqa: E402
+
+CONFIG = ROOT / "configs" / "lartpc" / "semseg-ptv3.py"
+
+
+def clock() -> float:
+    """CPU time of this process on a CPU (steadier than wall time on a shared
+    machine; with one thread it is the time the work took), wall time on a GPU."""
+    return time.process_time() if DEVICE.type == "cpu" else time.perf_counter()
+
+
+DEVICE = torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class Recorder:
+    """Wraps the pieces to capture their inputs and time serialization."""
+
+    def __init__(self, device):
+        self.device = device
+        self.calls = defaultdict(list)
+        self.serialization = 0.0
+        self.recording = False
+        self.max_attention_operand = ()
+        self._undo = []
+
+    def patch(self, owner, name, wrapper):
+        original = getattr(owner, name)
+        setattr(owner, name, wrapper(original))
+        self._undo.append((owner, name, original))
+
+    def install(self):
+        rec = self
+
+        def serialization(original):
+            def wrapped(point, *args, **kwargs):
+                sync(rec.device)
+                t = clock()
+                out = original(point, *args, **kwargs)
+                sync(rec.device)
+                rec.serialization += clock() - t
+                return out
+            return wrapped
+
+        def attention(original):
+            def wrapped(module, point, feat=None):
+                if rec.recording:
+                    rec.calls["attention"].append((module, point, (point["feat"] if feat is None else feat).detach()))
+                return original(module, point, feat)
+            return wrapped
+
+        def conv(original):
+            def wrapped(point, module, feat):
+                if rec.recording:
+                    rec.calls["cpe"].append((module, point, feat.detach()))
+                return original(point, module, feat)
+            return wrapped
+
+        def pool(original):
+            def wrapped(module, point):
+                if rec.recording:
+                    rec.calls["pooling"].append((module, Point(point), point["feat"].detach()))
+                return original(module, point)
+            return wrapped
+
+        def unpool(original):
+            def wrapped(module, point):
+                if rec.recording:
+                    parent = point["pooling_parent"]
+                    rec.calls["pooling"].append((module, Point(point, pooling_parent=Point(parent)),
+                                                 (point["feat"].detach(), parent["feat"].detach())))
+                return original(module, point)
+            return wrapped
+
+        def sdpa(original):
+            def wrapped(q, k, v, **kw):
+                rec.max_attention_operand = max(rec.max_attention_operand, tuple(q.shape),
+                                                key=lambda s: torch.Size(s).numel() if s else 0)
+                return original(q, k, v, **kw)
+            return wrapped
+
+        self.original_conv = Point.sparse_conv  # the replay calls the unwrapped one
+        self.patch(Point, "serialization", serialization)
+        self.patch(Point, "sparse_conv", conv)
+        self.patch(attention_module.SerializedAttention, "forward", attention)
+        for cls in (pooling_module.GridPooling, pooling_module.SerializedPooling):
+            self.patch(cls, "forward", pool)
+        for cls in (pooling_module.GridUnpooling, pooling_module.SerializedUnpooling):
+            self.patch(cls, "forward", unpool)
+        self.patch(attention_module.F, "scaled_dot_product_attention", sdpa)
+
+    def replay(self, kind: str) -> float:
+        """Seconds of forward + backward of every captured call of ``kind``."""
+        total = 0.0
+        for module, point, feat in self.calls[kind]:
+            if kind == "pooling" and isinstance(feat, tuple):
+                child, parent = (f.clone().requires_grad_() for f in feat)
+                p = Point(point, feat=child, pooling_parent=Point(point["pooling_parent"], feat=parent))
+                args, inputs = (p,), (child, parent)
+            else:
+                x = feat.clone().requires_grad_()
+                inputs = (x,)
+                if kind == "attention":
+                    args = (point, x)
+                elif kind == "cpe":
+                    args = (module, x)
+                else:
+                    args = (Point(point, feat=x),)
+            serialized = self.serialization
+            sync(self.device)
+            t = clock()
+            if kind == "cpe":
+                out = self.original_conv(point, *args)
+            else:
+                out = module(*args)
+            out = out["feat"] if isinstance(out, dict) else out
+            out.sum().backward()
+            sync(self.device)
+            # pooling re-serializes the coarse level: that part is booked to serialization
+            total += clock() - t - (self.serialization - serialized)
+            self.serialization = serialized
+            del inputs
+        return total
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(CONFIG))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--events", type=int, default=8, help="events per batch (the config's batch size: 8)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    global DEVICE
+    device = DEVICE = torch.device(args.device)
+
+    cfg = Config.fromfile(args.config)
+    dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
+    batches = [to_device(point_collate_fn([dataset[b * args.events + i] for i in range(args.events)]), device)
+               for b in range(args.batches)]
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model).to(device).train()
+    params = sum(p.numel() for p in model.parameters())
+    points = [int(b["offset"][-1]) for b in batches]
+    print(f"config {Path(args.config).name}: {cfg.model['backbone']['type']}, {params:,} parameters; "
+          f"{args.batches} batches of {args.events} events, {statistics.mean(points):,.0f} points per batch; "
+          f"{args.threads} thread(s), {device}")
+
+    def step(batch):
+        out = model(dict(batch))
+        out["loss"].backward()
+        model.zero_grad(set_to_none=True)
+
+    for batch in batches:  # untimed warm-up
+        step(batch)
+    times = []
+    for _ in range(args.rounds):
+        for batch in batches:
+            sync(device)
+            t = clock()
+            step(batch)
+            sync(device)
+            times.append(clock() - t)
+    per_step = statistics.median(times)
+    print(f"forward+backward: {per_step * 1e3:.0f} ms/step (median of {len(times)}), "
+          f"{statistics.mean(points) / per_step:,.0f} points/s")
+
+    # Breakdown on the first batch.
+    rec = Recorder(device)
+    rec.install()
+    rec.recording = True
+    out = model(dict(batches[0]))
+    rec.recording = False
+    out["loss"].backward()
+    model.zero_grad(set_to_none=True)
+    rows = {kind: rec.replay(kind) for kind in ("attention", "cpe", "pooling")}
+    rows = {"serialization": rec.serialization, **rows}
+    model.zero_grad(set_to_none=True)
+    total = statistics.median(times[0::args.batches])  # the first batch's steps
+    print("breakdown of one step (first batch), forward+backward:")
+    for kind, seconds in rows.items():
+        calls = "all levels" if kind == "serialization" else f"{len(rec.calls[kind])} calls"
+        print(f"  {kind:<14} {seconds * 1e3:8.1f} ms  {100 * seconds / total:5.1f}%  ({calls})")
+    other = total - sum(rows.values())
+    print(f"  {'other':<14} {other * 1e3:8.1f} ms  {100 * other / total:5.1f}%  (MLP, norms, head, loss)")
+    q = rec.max_attention_operand
+    n = points[0]
+    print(f"largest attention operand (patches, heads, K, dim) = {q}; an N x N score matrix would be {n} x {n}")
+    assert q and q[2] < n, "attention would materialise N x N"
+    print(f"ms_per_step={per_step * 1e3:.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+# Semantic segmentation of synthetic LArTPC events with Point Transformer V3
+# (PT-v3m2, the Sonata variant) under upstream's DefaultSegmentorV2, sized
+# for a 30-minute budget on a shared 2-core CPU (one thread).
+#
+#   python tools/train.py --config-file configs/lartpc/semseg-ptv3.py
+#
+# Measured (2026-12-04, 2-core CPU shared with other jobs, load average 2.5-5,
+# OMP_NUM_THREADS=1): 18 min 36 s for the whole command, val mIoU 0.756
+# (shower 0.865, track 0.860, Michel 0.623, delta 0.438, low-energy 0.995);
+# 0.518 / 0.627 / 0.688 / 0.737 after 140 / 280 / 420 / 560 steps. The
+# 0.85 target is not reached: see docs/models.md ("PT-v3 through the engine").
+#
+# One pass over 5,600 events (700 steps of 8) generated on the fly by one
+# loader worker (nothing is generated that is not trained on, and generation
+# overlaps the steps), evaluation every 140 steps. Batch 8 at lr 2e-3 learnt
+# more per event than batch 4 at lr 3e-3 with narrower levels (loss 0.71
+# after 1,600 events against 0.91 after 1,000 and 0.99 after 1,200).
+_base_ = "_base_lartpc.py"
+
+save_path = "exp/lartpc/semseg-ptv3"
+epoch = 1
+batch_size = 8
+num_worker = 1
+
+# Voxel-unit coordinates: one voxel per grid cell (the generator's voxels are
+# distinct), then coordinates into about [-1, 1] and log energy as features.
+_transform = [
+    dict(type="GridSample", grid_size=1.0, hash_type="fnv", mode="train", return_grid_coord=True),
+    dict(type="NormalizeCoord", center=[384.0, 384.0, 384.0], scale=768.0 * 3**0.5 / 2),
+    dict(type="LogTransform", key="energy"),
+    dict(type="ToTensor"),
+    dict(type="Collect", keys=("coord", "grid_coord", "segment", "instance"), feat_keys=("coord", "energy")),
+]
+data = dict(train=dict(transform=_transform, num_events=5600, in_memory=False), val=dict(transform=_transform),
+            test=dict(transform=_transform))
+
+model = dict(
+    type="DefaultSegmentorV2",
+    num_classes=5,
+    backbone_out_channels=32,
+    backbone=dict(
+        type="PT-v3m2",
+        in_channels=4,
+        order=("z", "z-trans", "hilbert", "hilbert-trans"),
+        stride=(2, 2, 2),
+        enc_depths=(1, 1, 1, 1),
+        enc_channels=(32, 48, 64, 96),
+        enc_num_head=(2, 3, 4, 6),
+        enc_patch_size=(64, 64, 64, 64),
+        dec_depths=(1, 1, 1),
+        dec_channels=(32, 48, 64),
+        dec_num_head=(2, 3, 4),
+        dec_patch_size=(64, 64, 64),
+        mlp_ratio=2,
+        drop_path=0.0,
+        shuffle_orders=True,
+        enable_rpe=False,
+        enable_flash=True,  # fixed patches through scaled_dot_product_attention (no flash-attn needed)
+        upcast_attention=False,
+        upcast_softmax=False,
+    ),
+    criteria=[dict(type="CrossEntropyLoss", ignore_index=-1), dict(type="LovaszLoss", ignore_index=-1)],
+)
+optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.05)
+scheduler = dict(type="CosineWarmupLR", warmup_steps=50)
+hooks = [
+    dict(type="CheckpointLoader"),
+    dict(type="IterationTimer", warmup_iter=2),
+    dict(type="InformationWriter", log_frequency=25),
+    dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"],
+         every_n_steps=140),
+    dict(type="CheckpointSaver", save_freq=350),
+]

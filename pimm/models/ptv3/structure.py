@@ -1,0 +1,96 @@
+"""The point batch that flows through PT-v3: a dict with attribute access.
+
+Keys follow upstream's ``Point``: ``feat``, ``coord``, ``grid_coord``,
+``batch``, ``offset``, the serialization (``serialized_code``,
+``serialized_order``, ``serialized_inverse``, ``serialized_depth``,
+``order``) and, after pooling, ``pooling_parent`` / ``pooling_inverse``.
+
+What upstream keeps in an spconv tensor (the sparse-conv indices of a
+level) is here a cache of pimm kernel maps (:meth:`Point.conv_map`); the
+patch layouts of the attention are cached the same way. Both belong to the
+resolution level, so the decoder, which gets the encoder's point of that
+level back from un-pooling, reuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pimm.utils.errors import ConfigError
+
+from ..point_ops import batch2offset, event_grid_coord, event_min, offset2batch, scatter_mean, voxelize
+from ..sparse_maps import KernelMap, submanifold_kernel_map
+from .serialization import serialize
+
+__all__ = ["Point"]
+
+
+class Point(dict):
+    """A batch of points (see the module docstring). Missing ``batch`` or
+    ``offset`` is derived from the other; ``grid_coord`` from ``coord`` and
+    ``grid_size`` when absent."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "batch" not in self and "offset" in self:
+            self["batch"] = offset2batch(self["offset"])
+        elif "offset" not in self and "batch" in self:
+            self["offset"] = batch2offset(self["batch"])
+        self.setdefault("_cache", {})
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+    def ensure_grid_coord(self) -> torch.Tensor:
+        """Non-negative integer voxel coordinates, per event from its own minimum."""
+        if "grid_coord" not in self:
+            if "coord" not in self or "grid_size" not in self:
+                raise ConfigError("PT-v3 needs grid_coord in the batch (add GridSample(..., return_grid_coord=True) "
+                                  "to the transform) or coord and grid_size")
+            size = self["grid_size"]
+            size = float(size.flatten()[0]) if isinstance(size, torch.Tensor) else float(size)
+            self["grid_coord"] = event_grid_coord(self["coord"], self["batch"], size)
+        else:
+            grid = self["grid_coord"].long()
+            if grid.numel() and int(grid.min()) < 0:
+                grid = grid - event_min(grid, self["batch"])
+            self["grid_coord"] = grid
+        return self["grid_coord"]
+
+    def serialization(self, order=("z",), depth: int | None = None, shuffle_orders: bool = False) -> None:
+        """Codes, orders and inverses of every curve in ``order`` (see
+        :func:`~pimm.models.ptv3.serialization.serialize`)."""
+        order = [order] if isinstance(order, str) else list(order)
+        self["order"] = order
+        code, idx, inverse, depth = serialize(self.ensure_grid_coord(), self["batch"], order, depth, shuffle_orders)
+        self["serialized_code"], self["serialized_order"], self["serialized_inverse"] = code, idx, inverse
+        self["serialized_depth"] = depth
+        self["_cache"] = {}
+
+    def conv_map(self, kernel_size: int) -> tuple[KernelMap, torch.Tensor | None]:
+        """Submanifold kernel map of this level and, when several points share
+        a voxel, each point's voxel (``None`` when the voxels are distinct)."""
+        key = ("subm", kernel_size)
+        cache = self["_cache"]
+        if key not in cache:
+            grid, batch = self.ensure_grid_coord(), self["batch"]
+            vgrid, vbatch, inverse = voxelize(grid, batch)
+            if vgrid.shape[0] == grid.shape[0]:
+                cache[key] = (submanifold_kernel_map(grid, batch, kernel_size), None)
+            else:
+                cache[key] = (submanifold_kernel_map(vgrid, vbatch, kernel_size), inverse)
+        return cache[key]
+
+    def sparse_conv(self, conv, feat: torch.Tensor) -> torch.Tensor:
+        """Apply a :class:`~pimm.models.ptv3.blocks.SubMConv3d` over this level
+        (points sharing a voxel are averaged in and all get the voxel's output)."""
+        kmap, inverse = self.conv_map(conv.kernel_size)
+        if inverse is None:
+            return conv(feat, kmap)
+        return conv(scatter_mean(feat, inverse, kmap.num_in), kmap).index_select(0, inverse)
