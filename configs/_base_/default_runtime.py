@@ -16,7 +16,7 @@ weight_key_map = None  # warm start: [old_prefix, new_prefix] pairs renaming the
 evaluate = True  # run the evaluator hooks
 enable_amp = False  # mixed precision (autocast)
 amp_dtype = 'bfloat16'  # 'float16' needs CUDA (uses a GradScaler)
-clip_grad = None  # max gradient norm (None: no clipping)
+clip_grad = None  # max gradient norm (None: no clipping); several optimizers: one for all or dict(<part>=...)
 grad_accum_steps = 1  # micro-batches per optimizer step
 log_grad_norm = False  # log train/grad_norm every step (always logged when clipping)
 gradient_checkpointing = None  # recompute these submodules' activations in backward (fnmatch patterns, e.g. ['backbone.enc*'])
@@ -33,8 +33,8 @@ launch_command = None  # the command that launched the job, shown as the W&B run
 log_step_offset = 0  # added to every step sent to W&B (metrics.jsonl and TensorBoard keep the run's own steps)
 enable_tensorboard = True  # TensorBoard event files under save_path/tensorboard
 preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal
-param_dicts = None  # per-parameter-group options, see docs/engine.md
-scheduler = None  # a dict(type=...) from SCHEDULERS; None: constant lr
+param_dicts = None  # per-parameter-group options, see docs/engine.md; several optimizers: dict(<part>=[...])
+scheduler = None  # a dict(type=...) from SCHEDULERS; None: constant lr; several optimizers: dict(<part>=dict(type=...))
 batch_size_test = None  # global; None = batch_size_val, else batch_size
 eval_epoch = None  # evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)
 test_only = False  # tools/train.py scores `weight` on data.test instead of training

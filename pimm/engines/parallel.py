@@ -130,20 +130,22 @@ def check_shard_modules(model: nn.Module, config: ParallelConfig) -> None:
 
 
 def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, world_size: int,
-                logger=None, keep_frozen_whole: bool = False) -> nn.Module:
+                logger=None, keep_frozen_whole: bool = False, units=()) -> nn.Module:
     """``fully_shard`` the submodules of the classes in ``config.shard_modules``
     (innermost first), then the root; in place (the returned module is ``model``).
     ``keep_frozen_whole``: parameters that need no gradient stay whole on every
     rank (a frozen copy the model writes to itself, like GRPO's reference policy:
-    a write to gathered parameters would be lost at the next reshard)."""
+    a write to gathered parameters would be lost at the next reshard).
+    ``units``: more submodules to shard as units of their own (the networks
+    of a model trained by several optimizers), in any order."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    units = []
     check_shard_modules(model, config)
-    if config.shard_modules:
-        wanted = set(config.shard_modules)
-        units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+    wanted = set(config.shard_modules or ())
+    extra = {id(m) for m in units}
+    units = [m for m in model.modules() if m is not model and (type(m).__name__ in wanted or id(m) in extra)]
+    names = type(model).__name__, sorted({type(m).__name__ for m in units})  # before fully_shard renames them
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
@@ -156,8 +158,8 @@ def shard_model(model: nn.Module, config: ParallelConfig, device: torch.device, 
     if any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_sync_buffers_before_training_forward)
     if logger is not None:
-        logger.info(f"FSDP2: {type(model).__name__} sharded over {world_size} processes in {len(units) + 1} unit(s)"
-                    f"{' (' + ', '.join(config.shard_modules) + ' and the root)' if units else ' (the root)'}")
+        logger.info(f"FSDP2: {names[0]} sharded over {world_size} processes in {len(units) + 1} unit(s)"
+                    f"{' (' + ', '.join(names[1]) + ' and the root)' if units else ' (the root)'}")
     return model
 
 

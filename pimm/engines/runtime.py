@@ -69,6 +69,20 @@ def _positive_number_or_none(key, value):
     return value
 
 
+def _per_part(check, what: str):
+    """``check``, or a dict of such values keyed by optimizer part (several
+    optimizers: the part names are checked against the optimizer config when
+    the trainer builds them)."""
+    def check_parts(key, value):
+        if isinstance(value, dict):
+            for part, item in value.items():
+                check(f"{key}.{part}", item)
+            return value
+        return check(key, value)
+    check_parts.__doc__ = what
+    return check_parts
+
+
 def _choice(*choices):
     def check(key, value):
         if not isinstance(value, str) or value not in choices:
@@ -220,7 +234,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
     RuntimeKey("enable_amp", False, _bool, "mixed precision (autocast)"),
     RuntimeKey("amp_dtype", "bfloat16", _choice("bfloat16", "float16"), "'float16' needs CUDA (uses a GradScaler)"),
-    RuntimeKey("clip_grad", None, _positive_number_or_none, "max gradient norm (None: no clipping)"),
+    RuntimeKey("clip_grad", None, _per_part(_positive_number_or_none, "clip_grad"),
+               "max gradient norm (None: no clipping); several optimizers: one for all or dict(<part>=...)"),
     RuntimeKey("grad_accum_steps", 1, _int(1), "micro-batches per optimizer step"),
     RuntimeKey("log_grad_norm", False, _bool, "log train/grad_norm every step (always logged when clipping)"),
     RuntimeKey("gradient_checkpointing", None, _patterns_or_none,
@@ -230,8 +245,9 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("enable_tensorboard", True, _bool, "TensorBoard event files under save_path/tensorboard"),
     RuntimeKey("preempt_signals", ["SIGTERM"], _signals,
                "signals that checkpoint and exit 75, e.g. ['SIGTERM', 'SIGUSR2'] for SLURM --signal"),
-    RuntimeKey("param_dicts", None, _list_or_none, "per-parameter-group options, see docs/engine.md"),
-    RuntimeKey("scheduler", None, _dict_or_none, "a dict(type=...) from SCHEDULERS; None: constant lr"),
+    RuntimeKey("param_dicts", None, _per_part(_list_or_none, "param_dicts"),
+               "per-parameter-group options, see docs/engine.md; several optimizers: dict(<part>=[...])"),
+    RuntimeKey("scheduler", None, _dict_or_none, "a dict(type=...) from SCHEDULERS; None: constant lr; several optimizers: dict(<part>=dict(type=...))"),
     RuntimeKey("batch_size_test", None, _int(1, allow_none=True), "global; None = batch_size_val, else batch_size"),
     RuntimeKey("eval_epoch", None, _int(1, allow_none=True),
                "evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)"),
@@ -339,6 +355,11 @@ def check_required(cfg, mode: str) -> None:
             example = {"model": "model = dict(type='SparseUNet', ...)",
                        "optimizer": "optimizer = dict(type='AdamW', lr=1e-3)"}[key]
             raise ConfigError(f"the config has no `{key}`: add e.g. {example}")
+        if key == "optimizer":
+            from pimm.engines.optim_parts import optimizer_parts
+
+            if optimizer_parts(cfg[key]):  # one optimizer per model part, each dict(type=...)
+                continue
         _typed_dict(key, cfg[key])
     split = "train" if mode == "train" else "test"
     data = cfg.get("data")

@@ -32,3 +32,7 @@ __all__ += ["ClusterPolicyEvaluator", "InsSegEvaluator", "ProposalEvaluator", "S
 from .testers import ClsTester, InsSegTester, SemSegTester  # noqa: E402  (registers TESTERS entries)
 
 __all__ += ["ClsTester", "InsSegTester", "SemSegTester"]
+
+from .ring_gan import RingGANEvaluator  # noqa: E402  (registers the HOOKS entry)
+
+__all__ += ["RingGANEvaluator"]

@@ -38,6 +38,7 @@ import math
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
+from pimm.engines.optim_parts import all_optimizers
 
 __all__ = ["EarlyStopping"]
 
@@ -201,7 +202,7 @@ class EarlyStopping(HookBase):
         if trainer.global_step >= trainer.max_epoch * trainer.iters_per_epoch:
             return  # the last step: the run completes anyway
         # The rates the next step would use: at 0 nothing would change any more.
-        if all(group["lr"] <= 0.0 for group in trainer.optimizer.param_groups):
+        if all(group["lr"] <= 0.0 for optimizer in all_optimizers(trainer) for group in optimizer.param_groups):
             trainer.request_stop(f"early stopping: the learning rate reached 0 at step {trainer.global_step}",
                                  agreed=True)
 

@@ -77,6 +77,7 @@ from pimm.engines.scheduler import MAX_LR_SCALE, MIN_LR_SCALE, _GroupStateMixin,
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import append_jsonl, read_jsonl
+from pimm.engines.optim_parts import single_optimizer_problem
 
 __all__ = ["LiveControl", "parse_control", "read_control_file", "AUDIT_FILE"]
 
@@ -235,7 +236,7 @@ class LiveControl(HookBase):
         return request
 
     def _lr_factor(self, changes: dict) -> float | None:
-        if "lr" not in changes:
+        if "lr" not in changes or self.trainer.optimizer is None:  # several optimizers: refused in _problem
             return None
         current = self.trainer.optimizer.param_groups[0]["lr"]
         return changes["lr"] / current if current > 0 and math.isfinite(current) else None
@@ -248,6 +249,9 @@ class LiveControl(HookBase):
         except ControlFileError as err:
             return str(err)
         if "lr" in changes and (lr_scale is not None or not replay):
+            several = single_optimizer_problem(trainer, "'lr'")
+            if several:
+                return several
             scheduler = getattr(trainer, "scheduler", None)
             if not isinstance(scheduler, _GroupStateMixin):
                 return f"'lr' needs one of pimm's schedulers, not {type(scheduler).__name__}"
@@ -280,7 +284,7 @@ class LiveControl(HookBase):
     def _settings(self) -> dict:
         trainer = self.trainer
         evaluators, writers = getattr(trainer, "evaluators", None), self._writers()
-        return {"lr": trainer.optimizer.param_groups[0]["lr"],
+        return {"lr": trainer.optimizer.param_groups[0]["lr"] if trainer.optimizer is not None else None,
                 "eval_every_n_steps": evaluators[0].every_n_steps if evaluators else None,
                 "log_frequency": writers[0].log_frequency if writers else None}
 

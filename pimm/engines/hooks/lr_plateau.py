@@ -25,6 +25,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.engines.scheduler import _GroupStateMixin, scale_lr
 from pimm.utils.errors import ConfigError
+from pimm.engines.optim_parts import single_optimizer_problem
 
 __all__ = ["ReduceLROnPlateau", "counts_for_plateau"]
 
@@ -102,6 +103,9 @@ class ReduceLROnPlateau(HookBase):
     def before_train(self) -> None:
         """Check the scheduler and the evaluators; take the metric's declared direction."""
         trainer = self.trainer
+        problem = single_optimizer_problem(trainer, "ReduceLROnPlateau")
+        if problem:
+            raise ConfigError(problem)
         if not isinstance(getattr(trainer, "scheduler", None), _GroupStateMixin):
             raise ConfigError(f"ReduceLROnPlateau needs one of pimm's schedulers (scheduler=dict(type=...)), not "
                               f"{type(getattr(trainer, 'scheduler', None)).__name__}")

@@ -4,9 +4,10 @@
 the step."""
 
 from pimm.engines.trainers.default import DefaultTrainer
+from pimm.engines.trainers.gan import GANTrainer
 from pimm.engines.trainers.grpo import GRPOTrainer
 from pimm.engines.trainers.image_class import ImageClassTrainer
 from pimm.engines.trainers.inseg import InsegTrainer
 from pimm.engines.trainers.multi_dataset import MultiDatasetTrainer
 
-__all__ = ["DefaultTrainer", "GRPOTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer"]
+__all__ = ["DefaultTrainer", "GANTrainer", "GRPOTrainer", "ImageClassTrainer", "InsegTrainer", "MultiDatasetTrainer"]

@@ -17,6 +17,7 @@ from pimm.engines import data as data_lib
 from pimm.engines.compile import compile_model
 from pimm.engines.grad_checkpoint import apply_gradient_checkpointing
 from pimm.engines.optim import build_optimizer
+from pimm.engines.optim_parts import build_optim_parts, model_parts, optimizer_parts
 from pimm.engines.parallel import shard_model
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
 from pimm.engines.scheduler import build_scheduler
@@ -60,8 +61,10 @@ class ComponentBuilders:
         wrapped by ``torch.compile`` when the ``compile`` key enables it."""
         if self.world_size == 1:
             wrapped = model
-        elif self.parallel.fsdp:
-            wrapped = shard_model(model, self.parallel, self.device, self.world_size, self.logger)
+        elif self.parallel.fsdp:  # each optimizer part (a network of its own) is a sharding unit too
+            parts = optimizer_parts(self.cfg.optimizer)
+            wrapped = shard_model(model, self.parallel, self.device, self.world_size, self.logger,
+                                  units=model_parts(model, parts).values() if parts else ())
         else:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=bool(
@@ -208,6 +211,24 @@ class ComponentBuilders:
     def iters_for_batches(self, batches: int) -> int:
         """Optimizer steps that ``batches`` training batches make."""
         return batches // self.grad_accum_steps
+
+    #: Whether this trainer's ``run_step`` uses ``self.optim_steps`` by name, so that
+    #: the optimizer config may name model parts (see :mod:`pimm.engines.optim_parts`).
+    supports_optimizer_parts = False
+
+    def build_optim_parts(self) -> dict:
+        """One :class:`~pimm.engines.optim_parts.OptimPart` per model part the
+        optimizer config names (``optimizer = dict(gen=dict(type=...), disc=...)``),
+        in the config's order; ``{}`` for the single-optimizer ``dict(type=...)``."""
+        parts = optimizer_parts(self.cfg.optimizer)
+        if not parts:
+            return {}
+        if not self.supports_optimizer_parts:
+            raise ConfigError(f"optimizer names model parts ({', '.join(parts)}), but {type(self).__name__} steps "
+                              "one optimizer: use a trainer that updates each part, e.g. train = "
+                              "dict(type='GANTrainer'), or optimizer = dict(type=..., ...)")
+        return build_optim_parts(self.cfg, self.model_without_ddp, self.model, self.iters_per_epoch * self.max_epoch,
+                                 self.build_scaler, parts)
 
     def build_optimizer(self):
         """The optimizer from ``cfg.optimizer`` over the model's parameter groups (``param_dicts``)."""

@@ -22,6 +22,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.oom_backoff import OOMBackoff
+from pimm.engines.optim_parts import part_participants
 from pimm.engines.optim_step import OptimStep
 from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
@@ -136,12 +137,18 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.oom_backoff = OOMBackoff.from_option(oom_backoff, self.train_loader, self.world_size, self.logger)
         self.samples_per_step = self.batch_size_per_rank * self.world_size * self.grad_accum_steps
         with tracer.long_span("build_optimizer"):
-            self.optimizer = self.build_optimizer()
-            self.scheduler = self.build_scheduler()
-            self.scaler = self.build_scaler()
-        self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                                    clip_grad=cfg.clip_grad, model=self.model, track_grad_norm=cfg.log_grad_norm,
-                                    scheduler_interval=cfg.get("scheduler_interval", 1))
+            self.optim_parts = self.build_optim_parts()  # {} unless the optimizer config names model parts
+            self.optim_steps = {name: part.step for name, part in self.optim_parts.items()}
+            if self.optim_parts:
+                self.optimizer = self.scheduler = self.scaler = self.optim_step = None
+            else:
+                self.optimizer = self.build_optimizer()
+                self.scheduler = self.build_scheduler()
+                self.scaler = self.build_scaler()
+                self.optim_step = OptimStep(self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                                            clip_grad=cfg.clip_grad, model=self.model,
+                                            track_grad_norm=cfg.log_grad_norm,
+                                            scheduler_interval=cfg.get("scheduler_interval", 1))
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
@@ -155,17 +162,24 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             world_size=self.world_size, batch_size_per_rank=self.batch_size_per_rank,
             grad_accum_steps=self.grad_accum_steps, num_workers_per_rank=self.num_workers_per_rank))
         track = self.track
-        if self.parallel.fsdp:  # written by every rank through Distributed Checkpoint
+        fsdp = self.parallel.fsdp  # model and optimizers written by every rank through Distributed Checkpoint
+        if fsdp:
             track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
-            track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
-                                                           self._scheduled_group_keys()), scope="sharded")
         else:
             track("model", ModelParticipant(self.model_without_ddp))
-            track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
-        track("scheduler", SchedulerParticipant(self.scheduler))
-        track("scaler", self.scaler)
-        if self.optim_step.scheduler_interval > 1:  # where the next scheduler step falls
-            track("optim_step", self.optim_step)
+        if self.optim_parts:  # optimizer/<part>, scheduler/<part>, scaler/<part> (pimm.engines.optim_parts)
+            for name, participant, scope in part_participants(self.optim_parts, self.model_without_ddp, fsdp):
+                track(name, participant, scope=scope)
+        else:
+            if fsdp:
+                track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
+                                                               self._scheduled_group_keys()), scope="sharded")
+            else:
+                track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
+            track("scheduler", SchedulerParticipant(self.scheduler))
+            track("scaler", self.scaler)
+            if self.optim_step.scheduler_interval > 1:  # where the next scheduler step falls
+                track("optim_step", self.optim_step)
         track("train_state", TrainStateParticipant(self.train_state))
         track("metrics", self.metrics)
         track("writer", self.writer)
@@ -211,9 +225,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         """Register ``hooks`` (see :meth:`TrainerBase.register_hooks`); ``after_backward``
         hooks are wired into the optimizer step."""
         super().register_hooks(hooks)
-        if hasattr(self, "optim_step"):
-            dispatch = self._dispatch["after_backward"]
-            self.optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
+        dispatch = self._dispatch["after_backward"]
+        for optim_step in [getattr(self, "optim_step", None), *getattr(self, "optim_steps", {}).values()]:
+            if optim_step is not None:
+                optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
 
     # -- state: restore, save, model files ---------------------------------
     def restore(self) -> bool:
