@@ -12,7 +12,7 @@ import torch
 
 from pimm.engines.data import stream_batches_per_rank
 from pimm.utils.errors import ConfigError
-from tests.support.run import final_weights, run_tool, train_losses, write_toy_config
+from tests.support.run import final_weights, non_log_lines, run_tool, train_losses, write_toy_config
 from tests.support.streams import ToyShardedStream
 
 STREAM = """
@@ -66,7 +66,9 @@ def test_top_level_iters_per_epoch_sets_the_epoch_and_must_agree_with_the_train_
     assert _steps(save) == list(range(1, 5))  # not the 5 per epoch num_samples() gives
     clash = run_tool("train", cfg, "train.iters_per_epoch=4", "save_path=" + str(tmp_path / "clash"))
     assert clash.returncode == 2
-    assert clash.stderr.startswith("error: ") and "iters_per_epoch=2 and train.iters_per_epoch=4 disagree" in clash.stderr
+    lines = non_log_lines(clash.stderr)  # log lines share stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "iters_per_epoch=2 and train.iters_per_epoch=4 disagree" in lines[0]
 
 
 @pytest.mark.slow
