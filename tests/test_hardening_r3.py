@@ -335,3 +335,28 @@ def test_grpo_warns_when_no_group_has_a_reward_spread(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="pimm"):
         trainer.train()
     assert "no group of trajectories had rewards that differ" in caplog.text
+
+
+def test_a_failing_background_thread_is_one_log_line_with_its_traceback_in_train_log(tmp_path, capsys):
+    # tensorboardX's writer thread on a full disk printed Python's thread traceback on stderr
+    import threading
+
+    from pimm.utils.logger import setup_logger
+
+    previous = threading.excepthook  # pytest's own; pimm leaves a hook it did not install alone
+    try:
+        threading.excepthook = threading.__excepthook__
+        setup_logger(tmp_path)
+
+        def fail():
+            raise OSError(28, "No space left on device")
+
+        thread = threading.Thread(target=fail, name="tb-writer")
+        thread.start()
+        thread.join()
+    finally:
+        threading.excepthook = previous
+    err = capsys.readouterr().err
+    assert non_log_lines(err) == [], err
+    assert "background thread tb-writer failed: OSError: [Errno 28] No space left on device" in err
+    assert "Traceback" not in err and "Traceback" in (tmp_path / "train.log").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 __all__ = ["setup_logger", "FILE_ONLY", "log_file", "LOG_PREFIX_WIDTH", "CONSOLE_WIDTH", "fit_line"]
@@ -59,7 +60,9 @@ class _ConsoleFormatter(logging.Formatter):
         if (record.exc_info or record.stack_info) and os.environ.get("PIMM_DEBUG") != "1":
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
                                             "stack_info": None})
-        return super().format(record)
+        # A multi-line message (a confusion table) keeps its later lines indented, so on stderr
+        # they read as part of their record, never as a line of their own like the ``error:`` one.
+        return super().format(record).replace("\n", "\n  ")
 
 
 class _ConsoleHandler(logging.StreamHandler):
@@ -96,6 +99,25 @@ def log_file(name: str = "pimm") -> Path | None:
     return None
 
 
+def _log_thread_failures(logger: logging.Logger) -> None:
+    """Route an exception that ends a background thread (tensorboardX's writer
+    on a full disk, a W&B thread) to ``logger``: one log line on the console,
+    its traceback in ``train.log``, instead of Python's traceback on stderr.
+    A hook the user installed is left alone."""
+    if threading.excepthook is not threading.__excepthook__ and \
+            getattr(threading.excepthook, "__name__", "") != "_pimm_thread_failure":
+        return
+
+    def _pimm_thread_failure(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        logger.error(f"background thread {name} failed: {args.exc_type.__name__}: {args.exc_value}",
+                     exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    threading.excepthook = _pimm_thread_failure
+
+
 def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm",
                  log_name: str = "train.log") -> logging.Logger:
     logger = logging.getLogger(name)
@@ -116,4 +138,5 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
         file_handler.setLevel(logging.INFO if rank == 0 else logging.ERROR)
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
+    _log_thread_failures(logger)
     return logger

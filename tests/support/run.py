@@ -45,8 +45,19 @@ LOG_LINE = re.compile(r"(\[rank\d+\] )?\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+\]
 
 
 def non_log_lines(stderr: str) -> list[str]:
-    """The non-empty lines of ``stderr`` that are not pimm log lines."""
-    return [line for line in stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
+    """The non-empty lines of ``stderr`` that are not pimm log lines (nor the
+    indented later lines of a multi-line log record)."""
+    kept, in_record = [], False
+    for line in stderr.splitlines():
+        if LOG_LINE.match(line):
+            in_record = True
+        elif in_record and line.startswith("  "):
+            pass  # a continuation line of the record above (the console indents them)
+        else:
+            in_record = False
+            if line.strip():
+                kept.append(line)
+    return kept
 
 
 def write_toy_config(directory: Path, save_path: Path, extra: str = "") -> Path:
