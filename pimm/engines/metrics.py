@@ -196,6 +196,26 @@ class MetricChannel:
             raise ConfigError(f"metric {name!r} is declared both {known!r} and {mode!r}: one metric has one direction")
         self._directions[name] = mode
 
+    def resolve_direction(self, name: str, mode: str | None, who: str, hint: str = "") -> str:
+        """The direction a hook ``who`` ranks ``name`` by: the declared one when
+        ``mode`` is None, else ``mode``, which then declares it (one metric has one
+        direction for everyone who ranks it). ConfigError, naming ``who``, when
+        there is neither or the two disagree. ``hint`` ends the "no direction" line
+        (what else the user could monitor)."""
+        declared = self._directions.get(name)
+        if mode is None:
+            if declared is None:
+                known = ", ".join(sorted(n for n in self._directions if n.split("/", 1)[0] == name.split("/", 1)[0]))
+                raise ConfigError(f"{who}: metric {name!r} has no declared direction (declared: {known or 'none'}); "
+                                  f"monitor one of those, or set mode='max' or mode='min'{hint}")
+            return declared
+        if declared is not None and declared != mode:
+            raise ConfigError(f"{who}: mode={mode!r} contradicts {name!r}, which its evaluator declares "
+                              f"{declared!r} (larger is {'better' if declared == 'max' else 'worse'}); drop mode= to "
+                              "use the declared direction")
+        self.declare(name, mode)
+        return mode
+
     def declared(self) -> dict[str, str]:
         """Every declared metric name with its direction (a copy)."""
         return dict(self._directions)

@@ -115,7 +115,8 @@ class EarlyStopping(HookBase):
         if self.prefix not in prefixes:
             raise ConfigError(f"EarlyStopping: no evaluation publishes {self.prefix}/* metrics (monitor="
                               f"{self.monitor!r}); evaluations publish under: {', '.join(sorted(prefixes))}")
-        self.modes = [self._direction(name, mode, prefixes) for name, mode in zip(self.monitors, self.modes)]
+        self.modes = [trainer.metrics.resolve_direction(name, mode, "EarlyStopping", " if an evaluator publishes it")
+                      for name, mode in zip(self.monitors, self.modes)]
         if len(self.monitors) == 1:
             self.mode = self.modes[0]
         else:
@@ -123,25 +124,6 @@ class EarlyStopping(HookBase):
             self.monitor = f"score({terms})"
             trainer.logger.info(f"EarlyStopping watches {self.monitor}, the sum of its metrics oriented so that "
                                 "larger is better (maximised)")
-
-    def _direction(self, monitor: str, mode: str | None, prefixes: set) -> str:
-        """``monitor``'s direction: the declared one, or ``mode`` (which then declares it)."""
-        trainer = self.trainer
-        declared = trainer.metrics.direction(monitor)
-        if mode is None:
-            if declared is None:
-                known = sorted(name for e in trainer.evaluators for p in prefixes
-                               for name in (f"{p}/loss", f"{p}/{e.metric_name}") if trainer.metrics.direction(name))
-                raise ConfigError(f"EarlyStopping: metric {monitor!r} has no declared direction (declared: "
-                                  f"{', '.join(known) or 'none'}); monitor one of those, or set mode='max' or "
-                                  "mode='min' if an evaluator publishes it")
-            return declared
-        if declared is not None and declared != mode:
-            raise ConfigError(f"EarlyStopping: mode={mode!r} contradicts {monitor!r}, which its evaluator "
-                              f"declares {declared!r} (larger is {'better' if declared == 'max' else 'worse'}); "
-                              "drop mode= to use the declared direction")
-        trainer.metrics.declare(monitor, mode)  # one direction for everyone who ranks it
-        return mode
 
     # -- decisions ----------------------------------------------------------
     def improved(self, value: float) -> bool:

@@ -117,18 +117,7 @@ class ReduceLROnPlateau(HookBase):
         if isinstance(self.min_lr, list) and len(self.min_lr) != groups:
             raise ConfigError(f"ReduceLROnPlateau: min_lr has {len(self.min_lr)} values but the optimizer has "
                               f"{groups} param groups")
-        declared = trainer.metrics.direction(self.monitor)
-        if self.mode is None:
-            if declared is None:
-                raise ConfigError(f"ReduceLROnPlateau: metric {self.monitor!r} has no declared direction; monitor "
-                                  f"an evaluator's metric (e.g. 'val/loss' or 'val/<metric_name>'), or set "
-                                  "mode='max' or mode='min'")
-            self.mode = declared
-        elif declared is not None and declared != self.mode:
-            raise ConfigError(f"ReduceLROnPlateau: mode={self.mode!r} contradicts {self.monitor!r}, which is "
-                              f"declared {declared!r}; drop mode= to use the declared direction")
-        else:
-            trainer.metrics.declare(self.monitor, self.mode)
+        self.mode = trainer.metrics.resolve_direction(self.monitor, self.mode, "ReduceLROnPlateau")
 
     # -- decisions ----------------------------------------------------------
     def improved(self, value: float) -> bool:
