@@ -426,24 +426,31 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             return self.model(batch)
 
     def _first_forward_checked(self, batch) -> dict:
-        """The first forward pass of this process: a failure here is almost always a
-        model config that does not fit the data (channels, classes, keys), so it is
-        reported in one line, with the traceback in train.log."""
+        output = self.checked_first_forward(
+            lambda: self.model(batch), "", "check the model config against the data (input channels, classes, batch "
+            "keys)", "in training mode; its forward must return a dict with a scalar 'loss'")
+        self._first_forward = False
+        return output
+
+    def checked_first_forward(self, call, what: str, hint: str, contract: str) -> dict:
+        """``call()`` under autocast, for a first forward pass of this process: a
+        failure there is almost always a model config that does not fit the data
+        (channels, classes, keys), so it is one UserError line (``what`` names the
+        pass, ``hint`` what to check) with the traceback in train.log; a result
+        without a tensor ``loss`` is one line too (``contract`` says what is due)."""
+        name = type(self.model_without_ddp).__name__
         try:
             with self.autocast():
-                output = self.model(batch)
+                output = call()
         except (torch.OutOfMemoryError, UserError):
             raise  # not a model/data mismatch: the batch does not fit, or a named failure (compile)
         except Exception as err:
-            self.logger.error("The model's first forward pass failed", exc_info=True, extra=FILE_ONLY)
+            self.logger.error(f"The model's first forward pass{what} failed", exc_info=True, extra=FILE_ONLY)
             detail = str(err).splitlines()[0] if str(err) else ""
-            raise UserError(f"model {type(self.model_without_ddp).__name__} failed on the first training batch "
-                            f"({type(err).__name__}: {detail}); check the model config against the data (input "
-                            "channels, classes, batch keys); traceback in train.log") from err
-        self._first_forward = False
+            raise UserError(f"model {name} failed on the first training batch{what} ({type(err).__name__}: "
+                            f"{detail}); {hint}; traceback in train.log") from err
         if not isinstance(output, dict) or not isinstance(output.get("loss"), torch.Tensor):
-            raise UserError(f"model {type(self.model_without_ddp).__name__} returned no 'loss' in training mode; "
-                            "its forward must return a dict with a scalar 'loss'")
+            raise UserError(f"model {name} returned no 'loss'{what} {contract}")
         return output
 
     def run_step(self) -> None:

@@ -39,8 +39,7 @@ import torch
 
 from pimm.engines.registries import TRAINERS
 from pimm.engines.trainers.default import DefaultTrainer, batch_stats
-from pimm.utils.errors import ConfigError, UserError
-from pimm.utils.logger import FILE_ONLY
+from pimm.utils.errors import ConfigError
 
 __all__ = ["GANTrainer"]
 
@@ -98,22 +97,10 @@ class GANTrainer(DefaultTrainer):
     _checked_parts: frozenset = frozenset()
 
     def _first_part_forward(self, batch, part: str) -> dict:
-        name = type(self.model_without_ddp).__name__
-        try:
-            with self.autocast():
-                output = self.model(batch, part=part)
-        except (torch.OutOfMemoryError, UserError):
-            raise
-        except Exception as err:
-            self.logger.error(f"The model's first forward pass for part {part!r} failed", exc_info=True,
-                              extra=FILE_ONLY)
-            detail = str(err).splitlines()[0] if str(err) else ""
-            raise UserError(f"model {name} failed on the first training batch for part {part!r} "
-                            f"({type(err).__name__}: {detail}); GANTrainer calls model(batch, part=name) and needs "
-                            "dict(loss=...) back; traceback in train.log") from err
-        if not isinstance(output, dict) or not isinstance(output.get("loss"), torch.Tensor):
-            raise UserError(f"model {name} returned no 'loss' for part {part!r}: GANTrainer calls "
-                            "model(batch, part=name), whose result must be a dict with a scalar 'loss'")
+        output = self.checked_first_forward(
+            lambda: self.model(batch, part=part), f" for part {part!r}",
+            "GANTrainer calls model(batch, part=name) and needs dict(loss=...) back",
+            "(GANTrainer calls model(batch, part=name), whose result must be a dict with a scalar 'loss')")
         self._checked_parts = self._checked_parts | {part}
         return output
 
