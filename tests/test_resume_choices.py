@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from pimm.engines import HOOKS
-from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.utils.errors import CheckpointError, ConfigError
 from tests.support import inprocess
 from tests.support.inprocess import committed_steps, hook_of, records
 from tests.support.run import final_weights, run_tool, write_toy_config
+from tests.support.toy import ScriptedEvaluator
 
 SAVE_ALL = 'dict(type="CheckpointSaver", save_freq=2, keep="all")'
 HOOKS_ALL = f'[dict(type="ClsEvaluator", num_classes=2), dict(type="InformationWriter", log_frequency=1), {SAVE_ALL}]'
@@ -155,36 +155,17 @@ def test_validate_on_resume_needs_an_evaluator(tmp_path, finished):
 
 # -- early stopping on several metrics ---------------------------------------------------------------
 @HOOKS.register_module(force=True)
-class TwoScores(EvaluatorBase):
+class TwoScores(ScriptedEvaluator):
     """Reports ``score`` (declared: larger is better) and ``err`` (undeclared)
     from scripts: the i-th evaluation reports the i-th values."""
 
-    metric_name = "score"
-
     def __init__(self, score=(0.5,), err=(0.5,), every_n_steps=None):
-        super().__init__(every_n_steps=every_n_steps)
-        self.scores, self.errs, self.calls = list(score), list(err), 0
-
-    def reset(self):
-        pass
-
-    def process(self, input_dict, output_dict):
-        pass
-
-    def accumulators(self):
-        return {}
+        super().__init__(values=score, every_n_steps=every_n_steps)
+        self.errs = list(err)
 
     def compute(self, totals):
-        self.calls += 1
-        i = min(self.calls, len(self.scores)) - 1
-        return {"score": float(self.scores[i]), "err": float(self.errs[i])}
-
-    def state_dict(self):
-        return {**super().state_dict(), "calls": self.calls}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.calls = state.get("calls", 0)
+        out = super().compute(totals)
+        return {**out, "err": float(self.errs[min(self.calls, len(self.errs)) - 1])}
 
 
 SCRIPT = 'dict(type="TwoScores", score=[0.5, 0.6, 0.6, 0.6, 0.6, 0.6], err=[0.5, 0.4, 0.3, 0.3, 0.3, 0.3], ' \
