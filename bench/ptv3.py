@@ -6,7 +6,9 @@ The model of ``configs/lartpc/semseg-ptv3.py`` (``DefaultSegmentorV2`` over
 (``--threads``), on ``--device``. A step is forward + loss + backward (no
 optimizer step). After one untimed pass, ``--rounds`` passes over the
 batches are timed; the median seconds per step is reported with points per
-second.
+second, in CPU time (all threads) and in wall time (what counts with
+``--threads 2``). ``--backbone KEY=VALUE ...`` overrides backbone options
+(e.g. ``enc_patch_size=(32,32,32,32)``) to time a variant.
 
 Breakdown (forward + backward of each piece, replayed in isolation on the
 inputs it saw in a real forward, summed over the step's calls):
@@ -25,12 +27,14 @@ The rest of a step (MLPs, norms, the head and the loss) is ``other``. The
 script also checks the largest attention operand: ``(patches, heads, K,
 dim)``, never ``N x N``.
 
-    python bench/ptv3.py [--rounds 3] [--batches 2] [--events 8] [--device cpu]
+    python bench/ptv3.py [--rounds 3] [--batches 2] [--events 8] [--threads 1] [--device cpu]
+                         [--backbone KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import sys
 import time
@@ -193,12 +197,17 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=8, help="events per batch (the config's batch size: 8)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backbone", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="backbone options over the config's, e.g. enc_patch_size=(32,32,32,32)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global DEVICE
     device = DEVICE = torch.device(args.device)
 
     cfg = Config.fromfile(args.config)
+    for item in args.backbone:
+        key, _, value = item.partition("=")
+        cfg.model["backbone"][key] = ast.literal_eval(value)
     dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
     batches = [to_device(point_collate_fn([dataset[b * args.events + i] for i in range(args.events)]), device)
                for b in range(args.batches)]
@@ -217,17 +226,18 @@ def main() -> None:
 
     for batch in batches:  # untimed warm-up
         step(batch)
-    times = []
+    times, walls = [], []
     for _ in range(args.rounds):
         for batch in batches:
             sync(device)
-            t = clock()
+            t, wall = clock(), time.perf_counter()
             step(batch)
             sync(device)
             times.append(clock() - t)
+            walls.append(time.perf_counter() - wall)
     per_step = statistics.median(times)
     print(f"forward+backward: {per_step * 1e3:.0f} ms/step (median of {len(times)}), "
-          f"{statistics.mean(points) / per_step:,.0f} points/s")
+          f"{statistics.mean(points) / per_step:,.0f} points/s; wall {statistics.median(walls) * 1e3:.0f} ms/step")
 
     # Breakdown on the first batch.
     rec = Recorder(device)
