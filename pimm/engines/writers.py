@@ -137,6 +137,7 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.save_path / "tensorboard"), purge_step=self._purge_step)
+            _close_reports_os_errors(self._tb, self.logger)
         if self.use_wandb:
             from pimm.engines.wandb_options import start_wandb_run
 
@@ -218,6 +219,31 @@ class MetricsWriter:
         if self._wandb_run is not None:
             self._wandb_run.finish(exit_code=1 if self._failed else None)
             self._wandb_run = None
+
+
+def _close_reports_os_errors(tb, logger: logging.Logger) -> None:
+    """Make an OSError (a full disk) while flushing or closing ``tb``'s event file
+    one log line, after which that file takes no more writes. tensorboardX raises
+    it from ``close`` and, because a close that raised left the file open, again
+    from its own close at interpreter exit (atexit), where it is a traceback on
+    stderr after pimm's one-line report of the failure."""
+    event_writer = tb._get_file_writer().event_writer
+    failed = []
+
+    def reporting(method):
+        def call(*args):
+            try:
+                return method(*args)
+            except OSError as err:
+                event_writer.flush = event_writer.close = event_writer.add_event = lambda *_: None
+                if failed:  # close() calls flush() first: one failure, one line
+                    return
+                failed.append(err)
+                logger.error(f"TensorBoard: cannot write {event_writer.get_logdir()}: {err}; no more events "
+                             "are written there (metrics.jsonl has every value)")
+        return call
+
+    event_writer.flush, event_writer.close = reporting(event_writer.flush), reporting(event_writer.close)
 
 
 class DashboardWindow:
