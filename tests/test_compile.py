@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pimm.engines.compile import check_compile, compile_model
-from pimm.utils.errors import ConfigError, UserError
-from tests.support.run import non_log_lines, run_tool, write_toy_config
+from pimm.utils.errors import ConfigError
+from tests.support.run import ROOT, non_log_lines, run_tool, write_toy_config
 from tests.test_resume import SIGKILLED, Run, assert_clean_losses, assert_same_weights
 
 COMPILED = ("compile.enabled=True",)
@@ -57,6 +57,17 @@ def test_a_model_that_cannot_compile_fails_in_one_line_naming_it(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: compile: model BranchyMLP cannot be compiled"), lines
     assert "fullgraph=False" in lines[0]
     assert "Traceback" in (tmp_path / "run" / "train.log").read_text()  # the details are in the log
+
+
+def test_a_trainer_without_compile_support_refuses_the_key_in_one_line(tmp_path):
+    # GRPOTrainer's rollouts call policy methods that torch.compile does not wrap.
+    result = run_tool("train", ROOT / "configs" / "grpo" / "tracks-grpo.py", f"save_path={tmp_path / 'run'}",
+                      "compile.enabled=True")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = non_log_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: trainer GRPOTrainer: compile: this trainer does not support torch.compile"), lines
+    assert "compile=dict(enabled=False)" in lines[0]
 
 
 @pytest.mark.slow

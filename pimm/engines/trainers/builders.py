@@ -212,6 +212,10 @@ class ComponentBuilders:
         """Optimizer steps that ``batches`` training batches make."""
         return batches // self.grad_accum_steps
 
+    #: Whether ``torch.compile`` may wrap the model (the ``compile`` key): False for a
+    #: trainer whose step calls model methods that ``torch.compile`` does not wrap.
+    supports_compile = True
+
     #: Whether this trainer's ``run_step`` uses ``self.optim_steps`` by name, so that
     #: the optimizer config may name model parts (see :mod:`pimm.engines.optim_parts`).
     supports_optimizer_parts = False

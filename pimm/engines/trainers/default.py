@@ -128,6 +128,9 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             check_shard_modules(self.model_without_ddp, self.parallel)  # as shard_model does on several
             self.logger.info("parallel.strategy='fsdp' with one process: the model is not sharded; checkpoints "
                              "keep the sharded (Distributed Checkpoint) format")
+        if not self.supports_compile and (cfg.get("compile") or {}).get("enabled"):
+            raise ConfigError("compile: this trainer does not support torch.compile yet; set "
+                              "compile=dict(enabled=False)")  # built through TRAINERS, the line names it
         self.model = self.wrap_model(self.model_without_ddp)
         with tracer.long_span("build_loaders"):
             self.train_loader = self.build_train_loader()

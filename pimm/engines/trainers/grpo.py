@@ -193,10 +193,9 @@ class GRPOTrainer(DefaultTrainer):
         return model
 
     loader_participant = RolloutLoaderParticipant
+    supports_compile = False  # rollouts call the policy's methods, which torch.compile does not wrap
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        if (self.cfg.get("compile") or {}).get("enabled"):  # rollouts call methods torch.compile does not wrap
-            raise ConfigError("compile: GRPOTrainer does not support torch.compile yet; set compile=dict(enabled=False)")
         self._loss_module = _PolicyLoss(model)
         if self.world_size == 1:
             return model
