@@ -456,12 +456,17 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             raise UserError(f"model {name} returned no 'loss'{what} {contract}")
         return output
 
-    def run_step(self) -> None:
+    def begin_step(self) -> dict:
+        """Drop the previous step's batch and outputs before this forward pass (so
+        their memory is reused instead of held through another step) and restart
+        the step's data time; returns ``comm_info``."""
         info = self.comm_info
-        # Drop the previous step's batch and outputs before this forward pass,
-        # so their memory is reused instead of held through another step.
         info["input_dict"] = info["model_output_dict"] = info["loss"] = None
         self._data_time = 0.0
+        return info
+
+    def run_step(self) -> None:
+        info = self.begin_step()
         accum = self.grad_accum_steps
         optim_step = self.optim_step
         step_loss = None

@@ -105,9 +105,7 @@ class GANTrainer(DefaultTrainer):
         return output
 
     def run_step(self) -> None:
-        info = self.comm_info
-        info["input_dict"] = info["model_output_dict"] = info["loss"] = None
-        self._data_time = 0.0
+        info = self.begin_step()
         accum = self.grad_accum_steps
         tracer = self.tracer
         batches = [self.next_batch() for _ in range(accum)]

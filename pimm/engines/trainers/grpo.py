@@ -319,9 +319,7 @@ class GRPOTrainer(DefaultTrainer):
         return step
 
     def run_step(self) -> None:
-        info = self.comm_info
-        info["input_dict"] = info["model_output_dict"] = info["loss"] = None
-        self._data_time = 0.0
+        info = self.begin_step()
         updates, cache = self.updates_per_rollout, self._cache
         if self.step_per == "rollout":
             scalars = self._new_rollout()
