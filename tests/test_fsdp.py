@@ -42,8 +42,10 @@ def runs(tmp_path_factory):
     fsdp = Run(root, "fsdp")
     fsdp.train(FSDP, num_gpus=2)
     killed = Run(root, "killed")
-    # Both ranks SIGKILL themselves after step 13; the --num-gpus parent then exits 1.
-    killed.train(FSDP, f"hooks.KillAtStep.step={KILL_STEP}", expect=1, num_gpus=2)
+    # Both ranks SIGKILL themselves after step 13, once step 10's checkpoint (written in
+    # the background) is committed; the --num-gpus parent then exits 1.
+    killed.train(FSDP, f"hooks.KillAtStep.step={KILL_STEP}", "hooks.KillAtStep.wait_for_commit=True", expect=1,
+                 num_gpus=2)
     pristine = root / "killed-pristine"
     shutil.copytree(killed.save, pristine)
     return {"ddp": ddp, "fsdp": fsdp, "killed": killed, "pristine": pristine, "root": root}

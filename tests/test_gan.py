@@ -253,8 +253,10 @@ def test_fsdp_shards_each_network_trains_like_ddp_and_resumes_exactly(tmp_path):
     manifest = json.loads((newest / "COMMITTED").read_text())
     assert manifest["sharded"] == ["model", "optimizer/disc", "optimizer/gen"]
 
-    # Both ranks SIGKILL themselves after step 4; the launcher reports them and exits 1.
-    killed.train("batch_size=32", "parallel.strategy=fsdp", "hooks.KillAtStep.step=4", expect=1, num_gpus=2)
+    # Both ranks SIGKILL themselves after step 4, once step 3's checkpoint is committed;
+    # the launcher reports them and exits 1.
+    killed.train("batch_size=32", "parallel.strategy=fsdp", "hooks.KillAtStep.step=4",
+                 "hooks.KillAtStep.wait_for_commit=True", expect=1, num_gpus=2)
     killed.train("batch_size=32", "parallel.strategy=fsdp", "resume=True", num_gpus=2)
     assert killed.log().count("Resumed from step000000003") == 1
     assert_same_tensors(final_weights(killed.save)["state_dict"], got, "FSDP model_last.pth after the resume")

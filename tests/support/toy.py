@@ -87,18 +87,23 @@ class RecordingHook(HookBase):
 
 @HOOKS.register_module(force=True)
 class KillAtStep(HookBase):
-    """SIGKILLs (or SIGTERMs) its own process after ``step`` — a crash at a chosen point."""
+    """SIGKILLs (or SIGTERMs) its own process after ``step`` — a crash at a chosen point.
+    ``wait_for_commit``: first wait until the checkpoint being written in the
+    background is committed, so which checkpoints exist does not depend on how
+    fast the machine is."""
 
     priority = "LOWEST"
 
-    def __init__(self, step, signal_name="SIGKILL"):
-        self.step, self.signal_name = step, signal_name
+    def __init__(self, step, signal_name="SIGKILL", wait_for_commit=False):
+        self.step, self.signal_name, self.wait_for_commit = step, signal_name, wait_for_commit
 
     def after_step(self):
         if self.trainer.global_step == self.step:
             import os
             import signal
 
+            if self.wait_for_commit:
+                self.trainer.checkpointer.wait()
             os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
