@@ -189,7 +189,9 @@ def test_disk_full_during_a_save_is_one_line_naming_the_file_and_enospc(tmp_path
     result = run_tool("train", cfg)
     assert result.returncode == 1
     line = _one_error_line(result.stderr)  # no "--- Logging error ---", no traceback
-    assert "No space left on device (ENOSPC)" in line and str(save / "checkpoints") in line
+    # Which write meets the full disk first (a checkpoint or metrics.jsonl) depends on timing.
+    assert "No space left on device (ENOSPC)" in line
+    assert str(save / "checkpoints") in line or str(save / "metrics.jsonl") in line, line
     assert "resume=True" in line
     from pimm.engines.state.manager import CheckpointManager
 
@@ -397,3 +399,27 @@ def test_a_failing_background_thread_is_one_log_line_with_its_traceback_in_train
     assert non_log_lines(err) == [], err
     assert "background thread tb-writer failed: OSError: [Errno 28] No space left on device" in err
     assert "Traceback" not in err and "Traceback" in (tmp_path / "train.log").read_text()
+
+
+def test_a_failed_metrics_write_names_metrics_jsonl(tmp_path):
+    # A file's write() error carries no file name; the one error line needs it.
+    import errno
+
+    from pimm.engines.writers import MetricsWriter
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    writer = MetricsWriter(tmp_path, enable_tensorboard=False)
+    writer.write([{"step": 1, "train/loss": 0.5}], [(True, "mean")])
+    writer._jsonl = FullDisk()
+    with pytest.raises(OSError) as info:
+        writer.write([{"step": 2, "train/loss": 0.4}], [(True, "mean")])
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "metrics.jsonl")

@@ -85,8 +85,11 @@ class MetricsWriter:
             return
         self._open()
         lines = "".join(json.dumps(_json_safe(r)) + "\n" for r in records)
-        self._jsonl.write(lines)
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(lines)
+            self._jsonl.flush()
+        except OSError as err:  # a write error carries no file name: give it one for the error line
+            raise OSError(err.errno, err.strerror, str(self.save_path / METRICS_FILE)) from err
         self.last_step = max(self.last_step, max(r["step"] for r in records))
         if self._tb is None and self._wandb_run is None:
             return
