@@ -74,7 +74,10 @@ class Run:
 def _newest_activity(paths: list[Path]) -> float:
     newest = 0.0
     for path in paths:
-        candidates = [path, *path.rglob("*")] if path.is_dir() else [path]
+        try:
+            candidates = [path, *path.rglob("*")] if path.is_dir() else [path]
+        except FileNotFoundError:  # a folder renamed while listed (checkpoint commit): the next poll sees it
+            continue
         for p in candidates:
             try:
                 newest = max(newest, p.stat().st_mtime)
