@@ -13,6 +13,9 @@ to pimm (``PENDING``). Until they land, each config that names one runs twice:
 * with only those hooks / transforms left out (a short config on top of the
   file): must pass now, so every other model, loss, data, transform,
   optimizer, scheduler and runtime key of the file is exercised.
+
+A fast in-process test (not slow, about a second a config) builds the same
+pieces from the same loaded config and takes two optimizer steps.
 """
 
 from __future__ import annotations
@@ -184,3 +187,41 @@ def test_checkpoint_saver_saves_at_each_mid_epoch_evaluation(tmp_path):
     trainer = make_trainer(tmp_path / "no_eval", hooks, options=["evaluate=False"])
     trainer.train()
     assert committed_steps(tmp_path / "no_eval" / "run") == [4, 8]
+
+
+@pytest.mark.parametrize("config", list(NEEDS), ids=lambda c: c.stem)
+def test_upstream_config_pieces_take_two_steps_in_process(config, data_roots, tmp_path):
+    """The fast check (not slow): the file through pimm's config loader with
+    the same options, then its model and criteria, its training data and
+    transforms, its optimizer with ``param_dicts`` and its scheduler, built as
+    the trainer builds them, take two optimizer steps."""
+    from pimm.datasets import COLLATE_FNS, DATASETS
+    from pimm.engines.launch import load_config
+    from pimm.engines.optim import build_optimizer
+    from pimm.engines.registries import MODELS
+    from pimm.engines.scheduler import build_scheduler
+
+    cfg, _ = load_config(str(without_pending(config, tmp_path)),
+                         run_options(config, data_roots, tmp_path / "run"), world_size=1)
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model).train()
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.param_dicts)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=2)
+    dataset = DATASETS.build(cfg.data["train"])
+    collate = COLLATE_FNS.get("point_collate_fn")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(2):
+        batch = collate([dataset[2 * step], dataset[2 * step + 1]])
+        loss = model(batch)["loss"]
+        assert torch.isfinite(loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert moved and not moved & frozen
+    if config == LIN:
+        assert moved == {"seg_head.weight", "seg_head.bias"}
+    if config == DEC:
+        assert frozen and all(n.startswith(("backbone.embedding.", "backbone.enc.")) for n in frozen)
