@@ -47,7 +47,7 @@ def split_events(offset: torch.Tensor | None, num_points: int, owner: str) -> li
     return [slice(s, e) for s, e in zip(starts, ends)]
 
 
-def legacy_reduction(owner: str, reduction: str, size_average: bool | None, reduce: bool | None) -> str:
+def legacy_reduction(reduction: str, size_average: bool | None, reduce: bool | None) -> str:
     """torch's rule for the deprecated ``size_average``/``reduce`` flags (either
     given: they decide; ``reduce=False`` means per-point losses)."""
     if size_average is not None or reduce is not None:
@@ -55,7 +55,7 @@ def legacy_reduction(owner: str, reduction: str, size_average: bool | None, redu
         reduce = True if reduce is None else bool(reduce)
         reduction = "none" if not reduce else ("mean" if size_average else "sum")
     if reduction not in REDUCTIONS:
-        raise ConfigError(f"{owner}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+        raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     return reduction
 
 

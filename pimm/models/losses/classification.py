@@ -16,12 +16,12 @@ from .base import LOSSES, legacy_reduction, zero_loss
 __all__ = ["CrossEntropyLoss", "FocalLoss"]
 
 
-def _class_weight_buffer(module: nn.Module, owner: str, weight: Sequence[float] | None) -> None:
+def _class_weight_buffer(module: nn.Module, weight: Sequence[float] | None) -> None:
     if weight is not None:
         try:
             weight = torch.tensor([float(w) for w in weight], dtype=torch.float)
         except (TypeError, ValueError):
-            raise ConfigError(f"{owner}: weight must be a list of numbers, one per class, got {weight!r}") from None
+            raise ConfigError(f"weight must be a list of numbers, one per class, got {weight!r}") from None
     # Not persistent: class weights belong to the config, not the checkpoint.
     module.register_buffer("weight", weight, persistent=False)
 
@@ -59,10 +59,10 @@ class CrossEntropyLoss(nn.Module):
                  reduce: bool | None = None, reduction: str = "mean", label_smoothing: float = 0.0,
                  loss_weight: float = 1.0, ignore_index: int = -1):
         super().__init__()
-        _class_weight_buffer(self, "CrossEntropyLoss", weight)
+        _class_weight_buffer(self, weight)
         if not 0.0 <= float(label_smoothing) < 1.0:
-            raise ConfigError(f"CrossEntropyLoss: label_smoothing must be in [0, 1), got {label_smoothing}")
-        self.reduction = legacy_reduction("CrossEntropyLoss", reduction, size_average, reduce)
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.reduction = legacy_reduction(reduction, size_average, reduce)
         self.ignore_index = ignore_index
         self.label_smoothing = float(label_smoothing)
         self.loss_weight = loss_weight
@@ -105,10 +105,10 @@ class FocalLoss(nn.Module):
                  reduce: bool | None = None, reduction: str = "mean", gamma: float = 2.0, ignore_index: int = -1,
                  loss_weight: float = 1.0, penalize_pred: bool = False):
         super().__init__()
-        _class_weight_buffer(self, "FocalLoss", weight)
+        _class_weight_buffer(self, weight)
         if float(gamma) < 0:
-            raise ConfigError(f"FocalLoss: gamma must be >= 0, got {gamma}")
-        self.reduction = legacy_reduction("FocalLoss", reduction, size_average, reduce)
+            raise ConfigError(f"gamma must be >= 0, got {gamma}")
+        self.reduction = legacy_reduction(reduction, size_average, reduce)
         self.gamma = float(gamma)
         self.ignore_index = ignore_index
         self.loss_weight = loss_weight

@@ -22,7 +22,7 @@ class DiceLoss(nn.Module):
                  loss_weight: float = 1.0):
         super().__init__()
         if classes not in ("present", "all"):
-            raise ConfigError(f"DiceLoss: classes must be 'present' or 'all', got {classes!r}")
+            raise ConfigError(f"classes must be 'present' or 'all', got {classes!r}")
         self.smooth = smooth
         self.classes = classes
         self.ignore_index = ignore_index

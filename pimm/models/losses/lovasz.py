@@ -51,7 +51,7 @@ def _class_weights(value) -> dict[int, float] | list[float] | None:
             return [float(v) for v in value]
     except (TypeError, ValueError):
         pass
-    raise ConfigError(f"LovaszLoss: class_weights must be None, a list of numbers (one per class) or a dict "
+    raise ConfigError(f"class_weights must be None, a list of numbers (one per class) or a dict "
                       f"{{class: weight}}, got {value!r}")
 
 
@@ -63,7 +63,7 @@ def _class_seen(value) -> frozenset[int] | None:
     try:
         return frozenset(int(v) for v in value)
     except (TypeError, ValueError):
-        raise ConfigError(f"LovaszLoss: class_seen must be None, a class id or a list of class ids, "
+        raise ConfigError(f"class_seen must be None, a class id or a list of class ids, "
                           f"got {value!r}") from None
 
 
@@ -96,9 +96,9 @@ class LovaszLoss(nn.Module):
                  penalize_pred: bool = False):
         super().__init__()
         if mode not in MODES:
-            raise ConfigError(f"LovaszLoss: mode must be one of {', '.join(MODES)}, got {mode!r}")
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if classes not in ("present", "all"):
-            raise ConfigError(f"LovaszLoss: classes must be 'present' or 'all', got {classes!r}")
+            raise ConfigError(f"classes must be 'present' or 'all', got {classes!r}")
         self.mode = mode
         self.classes = classes
         self.class_seen = _class_seen(class_seen)
