@@ -250,3 +250,18 @@ def test_a_per_point_reduction_cannot_be_a_model_loss():
         build_criteria([dict(type="CrossEntropyLoss", reduction="none")])
     with pytest.raises(ConfigError, match="reduction must be one of mean, sum, none"):
         LOSSES.build(dict(type="FocalLoss", reduction="avg"))
+
+
+def test_segmentor_hands_the_batch_offset_to_a_per_event_lovasz():
+    from pimm.engines.registries import MODELS
+    from tests.test_ptv3 import TINY, lartpc_like_batch
+
+    torch.manual_seed(0)
+    model = MODELS.build(dict(type="DefaultSegmentorV2", num_classes=5, backbone_out_channels=8, backbone=TINY,
+                              criteria=[dict(type="LovaszLoss", mode="multiclass", per_image=True)])).eval()
+    batch = lartpc_like_batch(counts=(60, 40))
+    with torch.no_grad():
+        out = model(batch)
+    probs, target = out["seg_logits"].softmax(1), batch["segment"]
+    expected = (softmax_reference(probs[:60], target[:60]) + softmax_reference(probs[60:], target[60:])) / 2
+    assert out["loss"].item() == pytest.approx(expected, abs=1e-5)
