@@ -92,5 +92,6 @@ class DefaultSegmentorV2(nn.Module):
         if return_point:
             out["point"] = point
         if "segment" in input_dict:
-            out["loss"] = self.criteria(out["seg_logits"], input_dict["segment"].long())
+            out["loss"] = self.criteria(out["seg_logits"], input_dict["segment"].long(),
+                                        offset=input_dict.get("offset"))
         return out

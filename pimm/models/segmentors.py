@@ -62,5 +62,5 @@ class DefaultSegmentor(nn.Module):
         seg_logits = self.seg_head(self.backbone(input_dict))
         out = {"seg_logits": seg_logits}
         if "segment" in input_dict:
-            out["loss"] = self.criteria(seg_logits, input_dict["segment"].long())
+            out["loss"] = self.criteria(seg_logits, input_dict["segment"].long(), offset=input_dict.get("offset"))
         return out

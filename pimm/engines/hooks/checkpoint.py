@@ -53,14 +53,20 @@ class CheckpointSaver(HookBase):
 
     ``async_write``: the training thread only copies the state; a background
     writer writes and commits it (one at a time; the end of training and a
-    pre-emption wait for it)."""
+    pre-emption wait for it).
+
+    ``evaluator_every_n_steps`` (upstream's argument): with ``evaluate=True``,
+    also save every N steps, the steps where a mid-epoch evaluator
+    (``every_n_steps=N``) has just scored the model, so ``model_best`` is the
+    evaluated weights."""
 
     # After evaluators (NORMAL) so the epoch-end checkpoint knows the new best.
     priority = "LOW"
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
-                 time_check_every: int = 10, async_write: bool = True, keep: str | None = None):
+                 time_check_every: int = 10, async_write: bool = True, keep: str | None = None,
+                 evaluator_every_n_steps: int | None = None):
         if keep is not None:
             if keep not in _NAMED_POLICIES:
                 raise ValueError(f"keep must be one of {', '.join(map(repr, _NAMED_POLICIES))} or None, got {keep!r}")
@@ -70,6 +76,7 @@ class CheckpointSaver(HookBase):
         self.keep = keep
         self.save_freq = _positive("save_freq", save_freq, integer=True)
         self.save_every_seconds = _positive("save_every_seconds", save_every_seconds)
+        self.evaluator_every_n_steps = _positive("evaluator_every_n_steps", evaluator_every_n_steps, integer=True)
         for name, flag in (("keep_best", keep_best), ("keep_all", keep_all), ("async_write", async_write)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
@@ -105,9 +112,11 @@ class CheckpointSaver(HookBase):
         return comm.any_rank(time.monotonic() - self._last_save >= self.save_every_seconds)
 
     def after_step(self):
-        """Save every ``save_freq`` steps or ``save_every_seconds``."""
+        """Save every ``save_freq`` steps, ``save_every_seconds`` or ``evaluator_every_n_steps``."""
         trainer = self.trainer
         due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
+        if self.evaluator_every_n_steps and trainer.cfg.evaluate:
+            due = due or trainer.global_step % self.evaluator_every_n_steps == 0
         # At the last step of an epoch the epoch-end save follows immediately.
         if due and trainer.iter < trainer.iters_per_epoch:
             self.save()

@@ -1,0 +1,92 @@
+"""The ``LOSSES`` registry, the sum of a model's ``criteria``, and the helpers
+the losses share (dropping ignored points, per-event splitting, reductions)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pimm.utils.errors import ConfigError
+from pimm.utils.registry import Registry
+
+__all__ = ["LOSSES", "Criteria", "build_criteria", "drop_ignored", "split_events", "zero_loss",
+           "legacy_reduction"]
+
+#: Registry of point-wise losses (``dict(type="LovaszLoss", ...)``).
+LOSSES = Registry("loss")
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def drop_ignored(logits: torch.Tensor, target: torch.Tensor, ignore_index: int | None):
+    """The rows of ``logits``/``target`` whose target is not ``ignore_index``."""
+    if ignore_index is None:
+        return logits, target
+    keep = target != ignore_index
+    return logits[keep], target[keep]
+
+
+def zero_loss(logits: torch.Tensor) -> torch.Tensor:
+    """A zero that keeps the graph alive (a batch whose points are all ignored
+    must still give every parameter a gradient, of zero)."""
+    return logits.sum() * 0.0
+
+
+def split_events(offset: torch.Tensor | None, num_points: int, owner: str) -> list[slice]:
+    """Row ranges of the events of a point batch from its cumulative ``offset``."""
+    if offset is None:
+        raise ConfigError(f"{owner}: per_image=True needs the batch's 'offset' (one loss per event); this model "
+                          "does not pass it to its criteria: set per_image=False")
+    ends = [int(e) for e in offset.reshape(-1).tolist()]
+    if not ends or ends[-1] != num_points:
+        raise ValueError(f"{owner}: offset {ends[-3:]} does not end at the batch's {num_points} points")
+    starts = [0] + ends[:-1]
+    return [slice(s, e) for s, e in zip(starts, ends)]
+
+
+def legacy_reduction(reduction: str, size_average: bool | None, reduce: bool | None) -> str:
+    """torch's rule for the deprecated ``size_average``/``reduce`` flags (either
+    given: they decide; ``reduce=False`` means per-point losses)."""
+    if size_average is not None or reduce is not None:
+        size_average = True if size_average is None else bool(size_average)
+        reduce = True if reduce is None else bool(reduce)
+        reduction = "none" if not reduce else ("mean" if size_average else "sum")
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    return reduction
+
+
+def _takes_offset(loss: nn.Module) -> bool:
+    try:
+        return "offset" in inspect.signature(loss.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class Criteria(nn.Module):
+    """Sum of several losses built from configs. Losses whose ``forward`` takes
+    ``offset`` (per-event losses) get the batch's ``offset``."""
+
+    def __init__(self, cfgs: Sequence[dict] | None):
+        super().__init__()
+        if not cfgs:
+            raise ConfigError("criteria is empty: give at least one loss, e.g. [dict(type='CrossEntropyLoss')]")
+        self.losses = nn.ModuleList(LOSSES.build(cfg) for cfg in cfgs)
+        for cfg, loss in zip(cfgs, self.losses):
+            if getattr(loss, "reduction", "mean") == "none":
+                raise ConfigError(f"criteria: {cfg.get('type')} with reduction='none' returns one loss per point, "
+                                  "and a model's loss must be one number: use reduction='mean' or 'sum'")
+        self._offset_takers = [_takes_offset(loss) for loss in self.losses]
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+        total = 0
+        for loss, takes_offset in zip(self.losses, self._offset_takers):
+            total = total + (loss(logits, target, offset=offset) if takes_offset else loss(logits, target))
+        return total
+
+
+def build_criteria(cfgs: Sequence[dict] | None) -> Criteria:
+    return Criteria(cfgs)
