@@ -140,6 +140,11 @@ def _join(path: str, seg: str) -> str:
 def _unknown_key(cfg: dict, key: str) -> ConfigError:
     close = difflib.get_close_matches(key, _config_paths(cfg), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
+    head, _, rest = key.partition(".")
+    if head == "default_hooks" and "." not in rest and isinstance(cfg.get(head), dict):
+        # Named runtime services: there is no adding one here (any other hook goes in `hooks`).
+        return ConfigError(f"unknown config key {key!r}{hint}; default_hooks names: "
+                           f"{', '.join(map(str, cfg[head]))} (list any other hook in `hooks`)")
     return ConfigError(f"unknown config key {key!r}{hint}; write +{key}=... to add a new key")
 
 
