@@ -15,9 +15,9 @@ A run's hooks come from two keys:
 
 The rule for a type in both: the list's entry is used, with its own
 parameters, and the default of that type is not added (a type is never
-registered twice by accident). Re-parameterising or switching off a
-default that the list replaces would silently do nothing, so it is an
-error naming the list's entry to edit instead.
+registered twice by accident). An ``--options default_hooks.<name>...``
+aimed at a default that the list replaces would silently do nothing, so it
+is an error naming the list's entry to edit instead.
 
 The order: the defaults in their table order, then the list in its own; the
 trainer then sorts the hooks by priority (a stable sort, so hooks of equal
@@ -107,6 +107,7 @@ def assemble_hooks(cfg) -> list[tuple[str, dict]]:
     if not isinstance(hooks, (list, tuple)):
         raise ConfigError(f"hooks must be a list of dict(type=...), got {type(hooks).__name__}")
     defaults = check_default_hooks("default_hooks", cfg.get("default_hooks"))
+    options = getattr(cfg, "command_options", None) or []
     listed: dict[str, int] = {}
     for index, entry in enumerate(hooks):
         listed.setdefault(_type_name(entry), index)
@@ -116,13 +117,13 @@ def assemble_hooks(cfg) -> list[tuple[str, dict]]:
             continue
         replaced_by = listed.get(_type_name(DEFAULT_HOOKS[name] if entry is None else entry))
         if replaced_by is not None:
-            if entry != DEFAULT_HOOKS[name]:
-                what = "switched off" if entry is None else f"set to {_call(entry)}"
+            token = next((t for t in options if _option_key(t).split(".")[:2] == ["default_hooks", name]), None)
+            if token is not None:
+                kind = _type_name(hooks[replaced_by])
                 raise ConfigError(
-                    f"default_hooks.{name} is {what}, but the hooks list has its own {_type_name(hooks[replaced_by])}"
-                    f" (hooks[{replaced_by}]), which is used instead of the default: change or remove that entry "
-                    f"(e.g. --options hooks.{_type_name(hooks[replaced_by])}.<key>=...), or drop it from the list "
-                    f"and keep default_hooks.{name}")
+                    f"--options {token} has no effect: the hooks list has its own {kind} (hooks[{replaced_by}]), "
+                    f"used instead of default_hooks.{name}; change that entry (--options hooks.{kind}.<key>=...) "
+                    f"or drop it from the list")
             continue
         if entry is not None:
             chosen.append((f"default_hooks.{name}", entry))
@@ -152,5 +153,5 @@ def hook_order_lines(hooks) -> list[str]:
     return lines
 
 
-def _call(entry: dict) -> str:
-    return "dict(" + ", ".join(f"{k}={v!r}" for k, v in entry.items()) + ")"
+def _option_key(token: str) -> str:
+    return str(token).partition("=")[0].strip().lstrip("+")

@@ -63,7 +63,7 @@ def _parser(mode: str) -> _Parser:
     parser.add_argument("--num-gpus", type=int, default=1, metavar="N",
                         help="local worker processes to start (nccl on CUDA, gloo on CPU)")
     parser.add_argument("--options", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
-                        help="config overrides, e.g. optimizer.lr=0.01 hooks.CheckpointSaver.save_freq=50 "
+                        help="config overrides, e.g. optimizer.lr=0.01 default_hooks.checkpoint.save_freq=50 "
                              "(may be given several times; applied in order)")
     return parser
 
