@@ -112,6 +112,9 @@ class HookBase:
     #: A weak proxy to the trainer, set when the hook is registered.
     trainer: Any = None
 
+    #: Where its config entry came from (``default_hooks.timer``, ``hooks[2]``), set when it is built.
+    origin: str = ""
+
     def modify_config(self, cfg) -> None:
         """Adjust the config before anything reads it (defaults, other hooks...)."""
 
