@@ -112,9 +112,8 @@ def assemble_hooks(cfg) -> list[tuple[str, dict]]:
     for index, entry in enumerate(hooks):
         listed.setdefault(_type_name(entry), index)
     chosen = []
-    for name, entry in (defaults or {}).items():
-        if name not in DEFAULT_HOOKS:
-            continue
+    for name in DEFAULT_HOOKS if defaults is not None else ():  # the table's order, whatever the config's
+        entry = defaults.get(name)
         replaced_by = listed.get(_type_name(DEFAULT_HOOKS[name] if entry is None else entry))
         if replaced_by is not None:
             token = next((t for t in options if _option_key(t).split(".")[:2] == ["default_hooks", name]), None)
