@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache")
     args = parser.parse_args(argv)
 
-    common = [f"epoch={args.epochs}", "hooks.CheckpointSaver.async_write=False"]
+    common = [f"epoch={args.epochs}", "default_hooks.checkpoint.async_write=False"]
     compiled_opts = ["compile.enabled=True", f"compile.backend={args.backend!r}"]
     if args.mode:
         compiled_opts.append(f"compile.mode={args.mode!r}")

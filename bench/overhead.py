@@ -6,9 +6,9 @@ AdamW and the same per-step cosine-with-warm-up learning-rate schedule, and
 both keep every step's loss (on the device, fetched every 20 steps).
 
 pimm runs exactly as a user's config would: built in-process through
-``load_config`` / ``build_trainer`` with the default hooks of
-``configs/_base_/default_runtime.py`` (CheckpointLoader, IterationTimer,
-InformationWriter(log_frequency=20), ProgressBar, CheckpointSaver with the
+``load_config`` / ``build_trainer`` with the runtime base's ``default_hooks``
+(CheckpointLoader, IterationTimer, InformationWriter(log_frequency=20),
+ProgressBar, LiveControl, OnDemandValidation, CheckpointSaver with the
 epoch-end saves), a train.log, metrics.jsonl and TensorBoard: ``epoch=2`` over
 128 batches each, so the run writes two checkpoints (and model_last.pth).
 
@@ -124,7 +124,7 @@ model = dict(type="BenchMLP", in_dim={in_dim}, hidden={hidden}, num_layers=3, nu
 data = dict(train=dict(type="BenchTensorDataset", num_samples={samples}, dim={in_dim}, num_classes={classes}))
 optimizer = dict(type="AdamW", lr={lr}, weight_decay={wd})
 scheduler = dict(type="CosineWarmupLR", warmup_ratio={warmup})
-# hooks: the defaults of _base_/default_runtime.py, untouched
+# hooks: the runtime base's default_hooks, untouched
 """
 
 

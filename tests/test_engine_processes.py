@@ -74,13 +74,19 @@ optimizer = dict(type="SGD", lr=0.1)
     assert sorted(p.name for p in (save / "checkpoints").glob("step*")) == ["step000000004-epoch0001"]
 
 
-def test_empty_hook_list_warns_that_nothing_will_be_saved(tmp_path):
+def test_no_hooks_at_all_warns_that_nothing_will_be_saved(tmp_path):
     save = tmp_path / "run"
-    cfg = write_toy_config(tmp_path, save, "epoch = 1\nhooks = []\n")
+    cfg = write_toy_config(tmp_path, save, "epoch = 1\ndefault_hooks = None\nhooks = []\n")
     result = run_tool("train", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hooks = []: nothing will log the training loss, evaluate or save checkpoints" in result.stderr
+    assert ("no hooks (default_hooks = None, hooks = []): nothing will log the training loss, evaluate or save "
+            "checkpoints") in result.stderr
     assert not (save / "checkpoints").exists()
+    # An empty hooks list alone keeps the runtime services: checkpoints and log lines.
+    kept = tmp_path / "kept"
+    result = run_tool("train", write_toy_config(tmp_path, kept, "epoch = 1\nhooks = []\n"))
+    assert result.returncode == 0 and "nothing will log" not in result.stderr, result.stderr[-3000:]
+    assert sorted(p.name for p in (kept / "checkpoints").glob("step*")) == ["step000000004-epoch0001"]
 
 
 def test_attempt_provenance_reads_commit_dirty_flag_and_diff_hash_from_a_checkout(tmp_path):

@@ -277,8 +277,13 @@ def test_channel_reduce_ops_best_and_directions():
 
 
 def test_default_runtime_file_is_generated_from_the_engine_table():
-    text = (ROOT / "configs" / "_base_" / "default_runtime.py").read_text()
+    text = (ROOT / "pimm" / "configs" / "_base_" / "default_runtime.py").read_text()
     assert text == render_default_runtime(), "run: python tools/write_default_runtime.py"
+    # The repository's base only points at the shipped one (one source of truth).
+    from pimm.utils.config import Config
+
+    assert Config.fromfile(ROOT / "configs" / "_base_" / "default_runtime.py") == \
+        Config.fromfile(ROOT / "pimm" / "configs" / "_base_" / "default_runtime.py")
 
 
 def test_scheduler_is_optional_and_means_a_constant_lr(tmp_path):

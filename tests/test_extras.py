@@ -53,3 +53,24 @@ def test_the_core_install_leaves_the_heavy_packages_to_extras():
     assert any(d.startswith("tensorboard") for d in extras["tensorboard"])
     assert all(d.startswith("mkdocs") for d in extras["docs"])
     assert any("docs" in d and "plot" in d and "wandb" in d for d in extras["test"])  # the suite builds the docs
+
+
+def test_the_quickstart_trains_without_matplotlib_skipping_event_displays_with_one_warning(tmp_path):
+    """The core install (no `plot` extra) trains the README's example: the
+    classification evaluator's event displays are skipped, with one warning
+    naming the extra, and everything else is written as usual."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file",
+                          str(ROOT / "configs" / "rings" / "cls-cnn.py"), "--options", f"save_path={run}", "epoch=2",
+                          "data.train.num_events=128", "data.val.num_events=64", "data.test.num_events=64"],
+                         capture_output=True, text=True, env=_without(tmp_path, "matplotlib"), cwd=tmp_path,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if "matplotlib" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], out.stderr[-3000:]
+    assert warnings[0].endswith('event displays skipped: matplotlib is not installed (pip install "pimm[plot]" to '
+                                'get them); training goes on')
+    assert (run / "model" / "model_last.pth").is_file() and (run / "model" / "model_best.pth").is_file()
+    evaluations = [json.loads(line) for line in open(run / "metrics.jsonl") if '"val/acc"' in line]
+    assert len(evaluations) == 2  # both epochs evaluated: the skipped displays cost no evaluation
+    assert "Traceback" not in out.stderr

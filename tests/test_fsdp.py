@@ -143,7 +143,7 @@ def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(runs):
 
 # -- other trainers ----------------------------------------------------------------------------
 RINGS = ("epoch=2", "batch_size=32", "data.train.num_events=192", "data.val.num_events=64", "model.width=8",
-         "hooks.CheckpointSaver.save_freq=4", "+custom_imports=['tests.support.toy']")
+         "default_hooks.checkpoint.save_freq=4", "+custom_imports=['tests.support.toy']")
 
 
 def _rings(save_path, *options: str, num_gpus: int = 2, expect: int = 0) -> subprocess.CompletedProcess:
@@ -160,7 +160,7 @@ def test_image_class_trainer_with_batchnorm_resumes_bit_identically(tmp_path):
     running statistics; the KillAtStep hook comes from a ``custom_imports``
     module added on the command line."""
     hooks = ("hooks=[{{'type': 'InformationWriter', 'log_frequency': 4}}, {{'type': 'ClsEvaluator', 'num_classes': 2}}, "
-             "{{'type': 'CheckpointSaver', 'save_freq': 4}}, {{'type': 'KillAtStep', 'step': {}}}]")
+             "{{'type': 'KillAtStep', 'step': {}}}]")  # checkpoints: default_hooks.checkpoint (save_freq=4)
     _rings(tmp_path / "ref", hooks.format(10**9))
     _rings(tmp_path / "run", hooks.format(9), expect=1)
     _rings(tmp_path / "run", hooks.format(10**9), "resume=True")
@@ -172,7 +172,7 @@ def test_image_class_trainer_with_batchnorm_resumes_bit_identically(tmp_path):
 def test_grpo_trainer_under_fsdp_trains_like_ddp(tmp_path):
     """GRPOTrainer: the loss module is the FSDP root, rollouts run on gathered
     parameters and the frozen reference policy stays whole on every rank."""
-    options = ("data.train.num_events=64", "data.val.num_events=32", "hooks.CheckpointSaver.save_freq=4")
+    options = ("data.train.num_events=64", "data.val.num_events=32", "default_hooks.checkpoint.save_freq=4")
     runs = {}
     for strategy in ("ddp", "fsdp"):
         save = tmp_path / strategy

@@ -153,7 +153,8 @@ def test_an_unusable_lock_is_exit_2_and_never_points_at_a_missing_log(tmp_path, 
 @pytest.mark.slow
 def test_sigusr1_without_a_hook_is_logged_and_ignored_and_sighup_preempts(tmp_path):
     save = tmp_path / "run"
-    cfg = write_toy_config(tmp_path, save, "epoch = 100000\n")
+    # The default hook that serves SIGUSR1 switched off: nothing listens for it.
+    cfg = write_toy_config(tmp_path, save, "epoch = 100000\ndefault_hooks = dict(on_demand_validation=None)\n")
     run = _start(cfg)
     try:
         _wait_for(lambda: _training(save))

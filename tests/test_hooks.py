@@ -80,7 +80,9 @@ def clean_events():
 
 def make_trainer(tmp_path: Path, hooks: str, extra: str = "", options=()):
     """Build a DefaultTrainer from the toy config with ``hooks`` (Python source of a list)."""
-    cfg_path = write_toy_config(tmp_path, tmp_path / "run", SMALL_DATA + f"hooks = {hooks}\n" + extra)
+    # default_hooks = None: exactly the hooks given (these tests are about their order and state).
+    cfg_path = write_toy_config(tmp_path, tmp_path / "run",
+                                SMALL_DATA + f"default_hooks = None\nhooks = {hooks}\n" + extra)
     cfg, hooks = load_config(str(cfg_path), list(options), world_size=1)
     return build_trainer(cfg, hooks=hooks)
 

@@ -225,12 +225,21 @@ def rings() -> Config:
     return Config.fromfile(RINGS)
 
 
+def listing_rings() -> Config:
+    """The ring config with a hooks list of its own that names the runtime hooks
+    too, as every upstream config does (hook-type selectors act on the list)."""
+    cfg = rings()
+    cfg.hooks = [ConfigDict(type="CheckpointLoader"), ConfigDict(type="IterationTimer", warmup_iter=2),
+                 *cfg.hooks, ConfigDict(type="CheckpointSaver", keep_last=2)]
+    return cfg
+
+
 def saver(cfg):
     return next(h for h in cfg.hooks if h.type == "CheckpointSaver")
 
 
 def test_hook_parameter_missing_from_the_config_is_a_defined_key():
-    cfg = rings()
+    cfg = listing_rings()
     assert "save_freq" not in saver(cfg) and "save_every_seconds" not in saver(cfg)
     cfg.merge_from_options(["hooks.CheckpointSaver.save_freq=50", "hooks.CheckpointSaver.save_every_seconds=60.0",
                             "hooks.CheckpointSaver.priority=90", "hooks.0.key_map=[['a', 'b']]"])
@@ -240,7 +249,7 @@ def test_hook_parameter_missing_from_the_config_is_a_defined_key():
 
 
 def test_misspelt_hook_parameter_names_the_nearest_real_one():
-    cfg = rings()
+    cfg = listing_rings()
     with pytest.raises(ConfigError) as info:
         cfg.merge_from_options(["hooks.CheckpointSaver.save_frequency=50"])
     assert str(info.value) == ("--options hooks.CheckpointSaver.save_frequency: hook CheckpointSaver has no "
@@ -248,7 +257,7 @@ def test_misspelt_hook_parameter_names_the_nearest_real_one():
     with pytest.raises(ConfigError, match="no parameter 'zzz' \\(it takes: save_freq, save_every_seconds, keep_last, "
                                           "keep_best, keep_every, keep_all, time_check_every, async_write, keep, priority\\)"):
         cfg.merge_from_options(["hooks.-1.zzz=1"])
-    assert cfg == rings()
+    assert cfg == listing_rings()
 
 
 @pytest.mark.parametrize("option, path, value", [
@@ -289,7 +298,7 @@ def test_misspelt_or_engine_filled_parameters_are_refused(option, message):
 
 
 def test_plus_still_forces_a_key_into_a_registry_dict():
-    cfg = rings()
+    cfg = listing_rings()
     cfg.merge_from_options(["+model.widht=8", "+hooks.CheckpointSaver.note=x"])
     assert cfg.model.widht == 8 and saver(cfg).note == "x"
 
@@ -410,11 +419,11 @@ def _train(tmp_path, *options):
 
 
 def test_cli_misspelt_hook_parameter_exits_2_naming_the_nearest(tmp_path):
-    proc = _train(tmp_path, "hooks.CheckpointSaver.save_frq=50")
+    proc = _train(tmp_path, "default_hooks.checkpoint.save_frq=50")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --options hooks.CheckpointSaver.save_frq: hook CheckpointSaver has no parameter 'save_frq' "
-        "(did you mean 'hooks.CheckpointSaver.save_freq'?)"]
+        "error: --options default_hooks.checkpoint.save_frq: hook CheckpointSaver has no parameter 'save_frq' "
+        "(did you mean 'default_hooks.checkpoint.save_freq'?)"]
 
 
 @pytest.mark.slow
@@ -422,9 +431,10 @@ def test_cli_hook_parameter_not_in_the_config_takes_effect(tmp_path):
     # 64 events / batch 32 = 2 steps in one epoch: without save_freq only the
     # epoch-end checkpoint (step 2) is written; save_freq=1 adds step 1.
     proc = _train(tmp_path, "epoch=1", "batch_size=32", "batch_size_val=32", "data.train.num_events=64",
-                  "data.val.num_events=32", "hooks.CheckpointSaver.save_freq=1", "hooks.CheckpointSaver.keep_last=4")
+                  "data.val.num_events=32", "default_hooks.checkpoint.save_freq=1",
+                  "default_hooks.checkpoint.keep_last=4")
     assert proc.returncode == 0, proc.stderr
     steps = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert steps == ["step000000001", "step000000002"]
     written = Config.fromfile(tmp_path / "run" / "config.py")
-    assert saver(written).save_freq == 1
+    assert written.default_hooks.checkpoint.save_freq == 1

@@ -254,7 +254,7 @@ def test_grad_accumulation_equals_the_larger_batch(tmp_path):
     # Half the optimizer steps of the unaccumulated batch-16 run, and the model moved.
     assert accum.global_step == 4
     assert all(s["step"].item() == 4 for s in accum.optimizer.state.values())
-    trace = accum.hooks[0].trace
+    trace = next(h for h in accum.hooks if isinstance(h, ParamTrace)).trace
     assert len(trace) == 5 and not torch.equal(trace[0], trace[-1])
     # Two micro-batches of 16 give the gradient of one batch of 32 (same samples, same order).
     for (name, a), b in zip(accum.model_without_ddp.named_parameters(), plain.model_without_ddp.parameters()):
@@ -274,7 +274,7 @@ def test_clip_grad_bounds_every_update(tmp_path):
         hooks = [dict(type="ParamTrace")]
     """))
     trainer.train()
-    trace = trainer.hooks[0].trace
+    trace = next(h for h in trainer.hooks if isinstance(h, ParamTrace)).trace
     steps = [(after - before).norm().item() for before, after in zip(trace, trace[1:])]
     assert len(steps) == 4
     # Plain SGD moves by lr * |g|; the raw gradients here are ~100x larger than the clip.
@@ -290,7 +290,7 @@ def test_bfloat16_autocast_runs_on_cpu(tmp_path):
     assert output["cls_logits"].dtype == torch.bfloat16  # the forward ran under autocast
     assert math.isfinite(trainer.metrics.latest("train/loss"))
     assert all(p.dtype == torch.float32 for p in trainer.model_without_ddp.parameters())  # master weights
-    trace = trainer.hooks[0].trace
+    trace = next(h for h in trainer.hooks if isinstance(h, ParamTrace)).trace
     assert not torch.equal(trace[0], trace[-1])
     _, records = read_metrics(trainer.save_path)
     assert [r["step"] for r in records if "val/acc" in r] == [4]

@@ -72,7 +72,12 @@ def test_a_trainer_built_from_python_prepares_its_config_like_the_command_line(t
     trainer = DefaultTrainer(cfg)  # no hooks given: prepare_config runs here
     assert cfg.grad_accum_steps == 1  # the runtime defaults were applied
     assert cfg.weight_key_map == [["a.", "b."]]  # hooks' modify_config ran
-    assert [type(h).__name__ for h in trainer.hooks] == ["CheckpointLoader", "ClsEvaluator", "CheckpointSaver"]
+    # The named default_hooks too, as on the command line; the list's CheckpointLoader and
+    # CheckpointSaver replace the defaults of their types.
+    assert [type(h).__name__ for h in trainer.hooks] == [
+        "CheckpointLoader", "IterationTimer", "InformationWriter", "ClsEvaluator", "LiveControl",
+        "OnDemandValidation", "ProgressBar", "CheckpointSaver"]
+    assert [h.origin for h in trainer.hooks if type(h).__name__.startswith("Checkpoint")] == ["hooks[2]", "hooks[1]"]
     # A bad value gives the command line's one-line error, from Python too.
     bad = Config.fromfile(str(path))
     bad.batch_size = 0

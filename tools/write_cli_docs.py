@@ -151,7 +151,10 @@ def _runtime_keys() -> list[str]:
 
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for key in RUNTIME_KEYS:
-        default = "see [Hooks](hooks.md)" if key.name == "hooks" else f"`{key.default!r}`"
+        if key.name == "default_hooks":
+            default = ", ".join(f"`{name}`" for name in key.default) + " ([Hooks](hooks.md#default-hooks))"
+        else:
+            default = "`[]`, see [Hooks](hooks.md)" if key.name == "hooks" else f"`{key.default!r}`"
         rows.append(f"| `{key.name}` | {default} | {key.doc.replace('|', chr(92) + '|')} |")
     return rows
 

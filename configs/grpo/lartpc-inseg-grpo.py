@@ -36,10 +36,7 @@ scheduler = dict(_delete_=True, type="CosineWarmupLR", warmup_ratio=0.05)  # 20 
 data = dict(train=dict(num_events=1600))  # 200 rollouts x 2 updates = 400 steps
 
 _classes = ["shower", "track", "michel", "delta", "low_energy"]
+default_hooks = dict(information_writer=dict(log_frequency=20), checkpoint=dict(save_freq=100))
 hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=20),
     dict(type="ClusterPolicyEvaluator", class_names=_classes, every_n_steps=100),
-    dict(type="CheckpointSaver", save_freq=100, keep_last=2),
 ]

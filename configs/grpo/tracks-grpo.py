@@ -38,11 +38,8 @@ data = dict(
     test=dict(type="StraightTracksDataset", num_events=512, split="test"),
 )
 
+# The runtime services come from the base's default_hooks (docs/hooks.md).
+default_hooks = dict(information_writer=dict(log_frequency=50), checkpoint=dict(save_freq=200))
 hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=50),
-    dict(type="ProgressBar"),
     dict(type="ProposalEvaluator", angle_tolerance_deg=_tolerance, every_n_steps=100),
-    dict(type="CheckpointSaver", save_freq=200, keep_last=2),
 ]

@@ -33,11 +33,5 @@ optimizer = dict(type="AdamW", lr=6e-3, weight_decay=1e-4)
 # than 16 / 12 / 3 / 2 points (shower / track / Michel / delta) are dropped.
 model = dict(agree_radius=(12.0, 6.0, 4.0, 1000.0, 3.0), merge_radius=(35.0, 10.0, 10.0, 0.5, 10.0),
              min_points=(16, 12, 3, 2, 1), absorb_points=2)
-hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=100),
-    dict(type="InsSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
-    dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
-    dict(type="CheckpointSaver", save_freq=875),
-]
+# The evaluators (hooks) as in inseg-pointgroup.py.
+default_hooks = dict(information_writer=dict(log_frequency=100), checkpoint=dict(save_freq=875))

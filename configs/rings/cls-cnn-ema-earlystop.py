@@ -15,14 +15,9 @@ save_path = "exp/rings/cls-cnn-ema-earlystop"
 epoch = 30
 scheduler = dict(_delete_=True, type="CosineWarmupLR", warmup_ratio=0.02)
 
+default_hooks = dict(live_control=dict(poll_every=10))  # the rest as in cls-cnn.py
 hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=10),
-    dict(type="ProgressBar"),
     dict(type="ClsEvaluator", num_classes=2, class_names=["electron", "muon"]),
     dict(type="EMAHook", decay=0.99),
     dict(type="EarlyStopping", monitor="val_ema/acc", patience=3, min_delta=0.002),
-    dict(type="LiveControl", poll_every=10),
-    dict(type="CheckpointSaver", keep_last=2),
 ]

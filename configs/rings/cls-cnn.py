@@ -21,11 +21,9 @@ data = dict(
     test=dict(type="CherenkovRingDataset", num_events=1000, split="test", in_memory=True),
 )
 
+# The runtime services (checkpoints, live control, on-demand validation, ...) come from the
+# base's default_hooks; `hooks` adds this task's evaluator (docs/hooks.md).
+default_hooks = dict(information_writer=dict(log_frequency=10))
 hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=10),
-    dict(type="ProgressBar"),
     dict(type="ClsEvaluator", num_classes=2, class_names=["electron", "muon"]),
-    dict(type="CheckpointSaver", keep_last=2),
 ]

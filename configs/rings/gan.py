@@ -33,10 +33,7 @@ data = dict(
                in_memory=True),
 )
 
+default_hooks = dict(information_writer=dict(log_frequency=10))  # the runtime services (docs/hooks.md)
 hooks = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=10),
     dict(type="RingGANEvaluator"),
-    dict(type="CheckpointSaver", keep_last=2),
 ]

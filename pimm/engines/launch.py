@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
 from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
-from pimm.engines.hooks.base import build_hooks
+from pimm.engines.default_hooks import build_run_hooks, hook_order_lines
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
@@ -63,7 +63,7 @@ def _parser(mode: str) -> _Parser:
     parser.add_argument("--num-gpus", type=int, default=1, metavar="N",
                         help="local worker processes to start (nccl on CUDA, gloo on CPU)")
     parser.add_argument("--options", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
-                        help="config overrides, e.g. optimizer.lr=0.01 hooks.CheckpointSaver.save_freq=50 "
+                        help="config overrides, e.g. optimizer.lr=0.01 default_hooks.checkpoint.save_freq=50 "
                              "(may be given several times; applied in order)")
     return parser
 
@@ -117,14 +117,14 @@ def prepare_config(cfg, world_size: int, mode: str = "train") -> list:
     """Complete and check a config in place, in the one start-up order of the
     command line and of a trainer built from Python (``DefaultTrainer(cfg)``):
     the runtime defaults for keys it leaves out, the registry dicts, the hooks
-    built and each one's ``modify_config``, then validation of every runtime
+    (``default_hooks`` and the ``hooks`` list) built and each one's ``modify_config``, then validation of every runtime
     key and of what ``mode`` ("train" or "test") cannot do without. Returns the
     built hooks. Bad input is a ConfigError naming the key."""
     if mode not in ("train", "test"):
         raise ConfigError(f"mode must be 'train' or 'test', got {mode!r}")
     apply_runtime_defaults(cfg)
     check_registry_dicts(cfg)
-    hooks = build_hooks(cfg.hooks)
+    hooks = build_run_hooks(cfg)  # default_hooks, then the config's hooks list (docs/hooks.md)
     for hook in hooks:
         hook.modify_config(cfg)
     validate_runtime(cfg, world_size)
@@ -311,10 +311,13 @@ def _record_config_after_restore(trainer, cfg) -> None:
 
 def _print_config(args, mode: str) -> int:
     """``--print-config``: the config the run would use, resume included; nothing is written."""
-    cfg, _ = load_config(*_config_source(args), args.num_gpus, mode, check_save_path=False)
+    cfg, hooks = load_config(*_config_source(args), args.num_gpus, mode, check_save_path=False)
     if cfg.__dict__.get("_resume_note"):
         print(f"# {cfg.__dict__['_resume_note']}", file=sys.stderr)
     sys.stdout.write(cfg.dump())
+    sys.stdout.write("\n# The hooks this run registers, in the order they run (priority, then default_hooks "
+                     "before the hooks list):\n")
+    sys.stdout.write("".join(f"#   {line.rstrip()}\n" for line in hook_order_lines(hooks)) or "#   (none)\n")
     return EXIT_OK
 
 

@@ -3,9 +3,10 @@
 Every config is read as: these defaults, then its ``_base_`` files, then the
 file itself, then ``--options``, then each hook's ``modify_config``; only then
 is it validated (:func:`validate_runtime`) and built. So a config without any
-``_base_`` works, and ``configs/_base_/default_runtime.py`` is generated from
-this table (``python tools/write_default_runtime.py``; a test keeps the two
-equal).
+``_base_`` works, and the runtime base that ships in the package,
+``pimm/configs/_base_/default_runtime.py`` (``_base_ =
+"pimm://_base_/default_runtime.py"`` from any config), is generated from this
+table (``python tools/write_default_runtime.py``; a test keeps the two equal).
 
 A runtime key's value of the wrong type is bad input (exit 2 naming the key
 and what it takes): ``resume="no"`` is a string, not False, and must never be
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
+from pimm.engines.default_hooks import DEFAULT_HOOKS, check_default_hooks, fill_default_hooks
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.errors import ConfigError
@@ -29,19 +31,6 @@ from pimm.utils.extras import require
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
            "render_default_runtime", "check_required", "apply_process_settings"]
-
-DEFAULT_HOOKS = [
-    dict(type="CheckpointLoader"),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=20),
-    dict(type="ProgressBar"),
-    # Idle until used (a file check every few seconds, a signal handler): edit
-    # save_path/control.json, or `kill -USR1 <pid>` to evaluate now.
-    dict(type="LiveControl"),
-    dict(type="OnDemandValidation"),
-    dict(type="CheckpointSaver", save_freq=None, keep_last=2),
-]
-
 
 # -- value checks: each returns the (normalised) value or raises ConfigError ----
 def _bool(key, value):
@@ -278,7 +267,10 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("checkpoint_format", None, _choice_or_none("standard", "dcp", "legacy", "torch"),
                "accepted for upstream configs: pimm always writes its verified checkpoints/ layout"),
     RuntimeKey("train", dict(type="DefaultTrainer"), _typed_dict, "the trainer and its options"),
-    RuntimeKey("hooks", DEFAULT_HOOKS, _hooks, "hooks, run by priority (ties: config order)"),
+    RuntimeKey("default_hooks", DEFAULT_HOOKS, check_default_hooks,
+               "the named runtime services every run gets; None switches one off (docs/hooks.md)"),
+    RuntimeKey("hooks", [], _hooks, "the config's own hooks, added to default_hooks; a type in both: this list's "
+               "entry is used (docs/hooks.md)"),
 )
 
 RUNTIME_DEFAULTS = {key.name: key.default for key in RUNTIME_KEYS}
@@ -291,6 +283,7 @@ def apply_runtime_defaults(cfg) -> None:
     for key, value in RUNTIME_DEFAULTS.items():
         if key not in cfg:
             cfg[key] = copy.deepcopy(value)
+    fill_default_hooks(cfg)  # also the names a config's own default_hooks leaves out
 
 
 def validate_runtime(cfg, world_size: int) -> None:
@@ -368,20 +361,25 @@ def check_required(cfg, mode: str) -> None:
 
 
 def render_default_runtime() -> str:
-    """The text of ``configs/_base_/default_runtime.py``."""
+    """The text of ``pimm/configs/_base_/default_runtime.py``."""
     lines = [
         "# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py by",
         "# tools/write_default_runtime.py; a config without _base_ gets the same values from the",
-        "# engine. Edit the table there, not this file.",
+        "# engine. Edit the table there, not this file. Any config names it as",
+        "# _base_ = \"pimm://_base_/default_runtime.py\" (docs/config.md).",
         "",
     ]
     for key in RUNTIME_KEYS:
-        if key.name in ("train", "hooks"):
+        if key.name in ("train", "default_hooks", "hooks"):
             continue
         lines.append(f"{key.name} = {key.default!r}  # {key.doc}")
-    lines += ["", f"train = {_call_repr(RUNTIME_DEFAULTS['train'])}", "", "hooks = ["]
-    lines += [f"    {_call_repr(hook)}," for hook in DEFAULT_HOOKS]
-    lines += ["]", ""]
+    lines += ["", f"train = {_call_repr(RUNTIME_DEFAULTS['train'])}", "",
+              "# The runtime services every run gets, by name: switch one off with None or change its",
+              "# options here, in a config (default_hooks = dict(live_control=None)) or with --options",
+              "# default_hooks.checkpoint.keep_last=5. `hooks` adds to them (docs/hooks.md).",
+              "default_hooks = dict("]
+    lines += [f"    {name}={_call_repr(hook)}," for name, hook in DEFAULT_HOOKS.items()]
+    lines += [")", "", "hooks = []", ""]
     return "\n".join(lines)
 
 

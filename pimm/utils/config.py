@@ -33,6 +33,9 @@ BASE_KEY = "_base_"
 OPTIONS_HEADER = "# options: "
 DELETE_KEY = "_delete_"
 IMPORTS_KEY = "custom_imports"
+#: ``_base_ = "pimm://_base_/default_runtime.py"``: a config shipped inside the package.
+PACKAGE_SCHEME = "pimm://"
+PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 class Config(ConfigDict):
@@ -134,10 +137,26 @@ def _load_file(path: Path, included_by: Path | None, chain: tuple[Path, ...]) ->
         _import_modules(own[IMPORTS_KEY], path)
     merged: dict = {}
     for base in _as_names(namespace.get(BASE_KEY), BASE_KEY, path):
-        base_path = Path(os.path.expanduser(base))
-        base_path = (base_path if base_path.is_absolute() else path.parent / base_path).resolve()
-        merged = _merge_layer(merged, _load_file(base_path, path, (*chain, path)))
+        merged = _merge_layer(merged, _load_file(_base_path(base, path), path, (*chain, path)))
     return _merge_layer(merged, own)
+
+
+def _base_path(base: str, including: Path) -> Path:
+    """Where a ``_base_`` entry points: ``pimm://REL`` is a config shipped in the
+    package (``pimm/configs/REL``, e.g. ``pimm://_base_/default_runtime.py``),
+    found from any directory; any other path is relative to the including file
+    (``~`` expanded)."""
+    if base.startswith(PACKAGE_SCHEME):
+        relative = base[len(PACKAGE_SCHEME):]
+        target = (PACKAGE_CONFIGS / relative).resolve()
+        if not relative or PACKAGE_CONFIGS not in target.parents or not target.is_file():
+            shipped = sorted(f"{PACKAGE_SCHEME}{p.relative_to(PACKAGE_CONFIGS).as_posix()}"
+                             for p in PACKAGE_CONFIGS.rglob("*.py"))
+            raise ConfigError(f"_base_ {base!r} in {including}: pimm ships no such config (it ships "
+                              f"{', '.join(shipped) or 'none'})")
+        return target
+    base_path = Path(os.path.expanduser(base))
+    return (base_path if base_path.is_absolute() else including.parent / base_path).resolve()
 
 
 def _execute(path: Path) -> tuple[dict, tuple[set, set]]:

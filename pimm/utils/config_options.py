@@ -117,7 +117,17 @@ def _config_paths(node: Any, prefix: str = "") -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _list_indices(node: list | tuple, seg: str, key: str, path: str) -> list[int]:
+def _default_hook_hint(cfg: dict, path: str, seg: str, rest: list[str]) -> str:
+    """For ``hooks.<Type>...`` naming a type that is a default hook, not a list
+    entry: the ``default_hooks.<name>...`` key to write instead."""
+    defaults = cfg.get("default_hooks") if path == "hooks" else None
+    if not isinstance(defaults, dict):
+        return ""
+    name = next((n for n, entry in defaults.items() if _type_name(entry) == seg), None)
+    return "" if name is None else f"; {seg} is a default hook: write default_hooks.{'.'.join([name, *rest])}"
+
+
+def _list_indices(node: list | tuple, seg: str, key: str, path: str, hint: str = "") -> list[int]:
     if _INT.fullmatch(seg):
         index = int(seg)
         if not -len(node) <= index < len(node):
@@ -128,7 +138,7 @@ def _list_indices(node: list | tuple, seg: str, key: str, path: str) -> list[int
         present = sorted({str(t) for t in map(_type_name, node) if t is not None})
         raise ConfigError(
             f"--options {key}: no entry of '{path}' has type {seg!r}; "
-            f"types present: {', '.join(present) or '(none)'}; or use an index 0..{len(node) - 1}"
+            f"types present: {', '.join(present) or '(none)'}; or use an index 0..{len(node) - 1}{hint}"
         )
     return matches
 
@@ -140,6 +150,11 @@ def _join(path: str, seg: str) -> str:
 def _unknown_key(cfg: dict, key: str) -> ConfigError:
     close = difflib.get_close_matches(key, _config_paths(cfg), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
+    head, _, rest = key.partition(".")
+    if head == "default_hooks" and "." not in rest and isinstance(cfg.get(head), dict):
+        # Named runtime services: there is no adding one here (any other hook goes in `hooks`).
+        return ConfigError(f"unknown config key {key!r}{hint}; default_hooks names: "
+                           f"{', '.join(map(str, cfg[head]))} (list any other hook in `hooks`)")
     return ConfigError(f"unknown config key {key!r}{hint}; write +{key}=... to add a new key")
 
 
@@ -193,7 +208,8 @@ def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[
                 else:
                     following.append((node[name], here, _join(where, str(name))))
             elif isinstance(node, (list, tuple)):
-                for index in _list_indices(node, seg, key, path):
+                hint = _default_hook_hint(cfg, path, seg, segments[depth + 1:])
+                for index in _list_indices(node, seg, key, path, hint):
                     at = _join(where, str(index))
                     if not last:
                         following.append((node[index], here, at))

@@ -42,6 +42,7 @@ SLOTS: tuple[tuple[str, str], ...] = (
     ("train.collate_fn", "collate function"),
     ("train.val_collate_fn", "collate function"),
     ("hooks.#", "hook"),
+    ("default_hooks.*", "hook"),
     ("model", "model"),
     ("optimizer", "optimizer"),
     ("scheduler", "scheduler"),

@@ -10,10 +10,15 @@ displays), ``wandb`` (``use_wandb=True``), ``tensorboard`` (the viewer for
 from __future__ import annotations
 
 import importlib
+import logging
 
 from .errors import UserError
 
-__all__ = ["require", "MissingExtra"]
+__all__ = ["require", "MissingExtra", "skip_without_extra"]
+
+#: The optional packages a feature may go without, and the extra that brings each.
+EXTRA_OF = {"matplotlib": "plot"}
+_warned: set[tuple[str, str]] = set()
 
 
 class MissingExtra(UserError):
@@ -27,3 +32,18 @@ def require(module: str, extra: str, feature: str) -> None:
     except ImportError:
         raise MissingExtra(f"{feature} needs {module}, which is not installed: pip install \"pimm[{extra}]\" "
                            f"(or pip install {module})")
+
+
+def skip_without_extra(err: ModuleNotFoundError, feature: str) -> bool:
+    """True when ``err`` is a missing optional package (:data:`EXTRA_OF`): the
+    ``feature`` is skipped, with one warning per process naming the extra to
+    install. False for any other missing module (the caller re-raises it)."""
+    module = (err.name or "").partition(".")[0]
+    extra = EXTRA_OF.get(module)
+    if extra is None:
+        return False
+    if (module, feature) not in _warned:
+        _warned.add((module, feature))
+        logging.getLogger("pimm").warning(f"{feature} skipped: {module} is not installed (pip install "
+                                          f"\"pimm[{extra}]\" to get them); training goes on")
+    return True

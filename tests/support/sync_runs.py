@@ -41,7 +41,7 @@ hooks = {hooks!r}
 
 def default_hooks(*extra: dict, save_freq: int | None = 30) -> list[dict]:
     """The default hooks (CheckpointSaver saving every ``save_freq`` steps) plus ``extra`` before the saver."""
-    hooks = [dict(h) for h in DEFAULT_HOOKS]
+    hooks = [dict(h) for h in DEFAULT_HOOKS.values()]
     saver = next(h for h in hooks if h["type"] == "CheckpointSaver")
     saver["save_freq"] = save_freq
     return [h for h in hooks if h is not saver] + list(extra) + [saver]

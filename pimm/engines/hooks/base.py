@@ -112,6 +112,9 @@ class HookBase:
     #: A weak proxy to the trainer, set when the hook is registered.
     trainer: Any = None
 
+    #: Where its config entry came from (``default_hooks.timer``, ``hooks[2]``), set when it is built.
+    origin: str = ""
+
     def modify_config(self, cfg) -> None:
         """Adjust the config before anything reads it (defaults, other hooks...)."""
 
@@ -200,13 +203,15 @@ def _positional_arity(fn) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-def build_hooks(hook_cfgs) -> list[HookBase]:
-    """Build the config's ``hooks`` list. A ``priority`` key is taken here and
-    set on the hook; the constructor never sees it."""
+def build_hooks(hook_cfgs, origins=None) -> list[HookBase]:
+    """Build a list of hook configs. A ``priority`` key is taken here and set on
+    the hook; the constructor never sees it. ``origins``: where each entry
+    comes from, for errors (default: ``hooks[i]``)."""
     hooks = []
     for index, hook_cfg in enumerate(hook_cfgs):
+        where = origins[index] if origins is not None else f"hooks[{index}]"
         if not isinstance(hook_cfg, dict):
-            raise ConfigError(f"hooks[{index}] must be a dict(type=...), got {hook_cfg!r}")
+            raise ConfigError(f"{where} must be a dict(type=...), got {hook_cfg!r}")
         hook_cfg = dict(hook_cfg)
         priority = hook_cfg.pop("priority", None)
         hook = HOOKS.build(hook_cfg)
@@ -214,6 +219,6 @@ def build_hooks(hook_cfgs) -> list[HookBase]:
             try:
                 hook.priority = get_priority(priority)
             except ValueError as err:
-                raise ConfigError(f"hooks[{index}] ({hook_cfg['type']}): {err}") from None
+                raise ConfigError(f"{where} ({hook_cfg['type']}): {err}") from None
         hooks.append(hook)
     return hooks

@@ -22,6 +22,8 @@ displays: pictures of up to ``limit`` events of a batch, (H, W, 3) uint8,
 true vs predicted. ``log_images=N`` logs the first N validation events (the
 same ones every time: the evaluation order is fixed) to TensorBoard and W&B
 at every evaluation; rank 0 renders its own first events; 0 turns it off.
+Without matplotlib (the core install, no ``plot`` extra) the displays are
+skipped with one warning naming the extra, and the evaluation goes on.
 ``metric_name`` (a key of ``compute``'s result) with ``greater_is_better``
 declares the metric's direction; the first such evaluator selects the best
 model (``model/model_best.pth``).
@@ -35,6 +37,7 @@ import torch
 
 from pimm.engines.hooks.base import EvalRun, HookBase
 from pimm.utils import comm
+from pimm.utils.extras import skip_without_extra
 from pimm.utils.rng import fork_rng
 
 __all__ = ["EvaluatorBase"]
@@ -160,7 +163,12 @@ class EvaluatorBase(HookBase):
                         batches += 1
                     self.process(batch, output)
                     if len(self.images) < images:
-                        self.images += self.display(batch, output, images - len(self.images))[:images]
+                        try:
+                            self.images += self.display(batch, output, images - len(self.images))[:images]
+                        except ModuleNotFoundError as err:  # the core install has no matplotlib
+                            if not skip_without_extra(err, "event displays"):
+                                raise
+                            images = 0
             finally:
                 model.train(was_training)
         totals = {k: comm.all_reduce(v.clone()) for k, v in self.accumulators().items()}

@@ -210,8 +210,9 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         with self.tracer.long_span("build_hooks"):
             self.register_hooks(hooks)
         if not hooks:
-            self.logger.warning("hooks = []: nothing will log the training loss, evaluate or save checkpoints "
-                                "(list CheckpointSaver, InformationWriter, ... to get them)")
+            self.logger.warning("no hooks (default_hooks = None, hooks = []): nothing will log the training loss, "
+                                "evaluate or save checkpoints (keep the default_hooks, or list CheckpointSaver, "
+                                "InformationWriter, ... to get them)")
 
     #: How the data position is saved and restored (a trainer that consumes
     #: batches at another rate than one per step overrides it).
