@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pimm.engines.hook_contract import SummaryWriterCalls
 from pimm.engines.metrics import reduce_values, tag_op
 from pimm.utils import comm
 
@@ -41,12 +42,14 @@ METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"
 
 
-class MetricsWriter:
+class MetricsWriter(SummaryWriterCalls):
     """Rank 0's outputs for flushed metrics: ``metrics.jsonl`` (every record,
     non-finite values as ``null``), TensorBoard (one event per logging window)
     and, with ``use_wandb``, a W&B run whose id is chosen here so that the first
     checkpoint carries it and a resume continues the same run. On other ranks it
-    writes nothing.
+    writes nothing. Hooks written for upstream call TensorBoard's ``add_scalar``,
+    ``add_scalars``, ``add_image``, ``add_histogram`` on it
+    (:class:`~pimm.engines.hook_contract.SummaryWriterCalls`).
 
     Args:
         save_path: the run directory.

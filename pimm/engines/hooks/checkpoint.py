@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from pimm.engines.hook_contract import take_published_metric
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.engines.state.manager import Retention
@@ -117,7 +118,10 @@ class CheckpointSaver(HookBase):
         self.save()
 
     def save(self):
-        """Commit a checkpoint now (a collective: every rank calls it at the same step)."""
+        """Commit a checkpoint now (a collective: every rank calls it at the same step).
+        A metric a user evaluator published in ``comm_info`` (upstream's
+        ``current_metric_value``) first decides the best model."""
+        take_published_metric(self.trainer)
         self.trainer.save_checkpoint()
         self._last_save = time.monotonic()
 
