@@ -36,7 +36,7 @@ preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIG
 param_dicts = None  # per-parameter-group options, see docs/engine.md; several optimizers: dict(<part>=[...])
 scheduler = None  # a dict(type=...) from SCHEDULERS; None: constant lr; several optimizers: dict(<part>=dict(type=...))
 batch_size_test = None  # global; None = batch_size_val, else batch_size
-eval_epoch = None  # evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)
+eval_epoch = None  # evaluations in the run: every max(1, epoch // eval_epoch) epochs, the last always (None: every epoch)
 test_only = False  # tools/train.py scores `weight` on data.test instead of training
 test = None  # a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)
 iters_per_epoch = None  # steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes // batch per process

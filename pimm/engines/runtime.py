@@ -250,7 +250,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("scheduler", None, _dict_or_none, "a dict(type=...) from SCHEDULERS; None: constant lr; several optimizers: dict(<part>=dict(type=...))"),
     RuntimeKey("batch_size_test", None, _int(1, allow_none=True), "global; None = batch_size_val, else batch_size"),
     RuntimeKey("eval_epoch", None, _int(1, allow_none=True),
-               "evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)"),
+               "evaluations in the run: every max(1, epoch // eval_epoch) epochs, the last always (None: every epoch)"),
     RuntimeKey("test_only", False, _bool, "tools/train.py scores `weight` on data.test instead of training"),
     RuntimeKey("test", None, _dict_or_none,
                "a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)"),
@@ -306,9 +306,6 @@ def validate_runtime(cfg, world_size: int) -> None:
     if cfg.num_worker % world_size:
         raise ConfigError(f"num_worker={cfg.num_worker} is global and must be divisible by the {world_size} "
                           f"processes; use a multiple of {world_size}")
-    if cfg.eval_epoch is not None and (cfg.eval_epoch > cfg.epoch or cfg.epoch % cfg.eval_epoch):
-        raise ConfigError(f"eval_epoch={cfg.eval_epoch} must divide epoch={cfg.epoch}: the run evaluates every "
-                          "epoch // eval_epoch epochs")
     if cfg.use_wandb:
         require("wandb", "wandb", "use_wandb=True")
     save_path = Path(cfg.save_path)
