@@ -115,3 +115,22 @@ def test_launch_command_and_run_records_beside_config_py(tmp_path, monkeypatch):
     assert json.loads((run / "run_metadata.prev1.json").read_text()) == metadata
     assert sorted(p.name for p in run.glob("*.prev*")) == ["config.prev1.py", "model_config.prev1.json",
                                                             "resolved_config.prev1.json", "run_metadata.prev1.json"]
+
+
+def test_pimm_submit_exports_its_command_to_the_job(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.run import ROOT, env
+
+    pytest.importorskip("submitit")
+    path = write_toy_config(tmp_path, tmp_path / "run", SMALL)
+    argv = ["--config-file", str(path), "--time", "01:00:00", "--dry-run", "--options", "optimizer.lr=0.02"]
+    done = subprocess.run([sys.executable, "-m", "pimm.tools.submit", *argv], capture_output=True, text=True,
+                          env=env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    exports = [line for line in done.stdout.splitlines() if line.startswith("export PIMM_LAUNCH_COMMAND=")]
+    assert len(exports) == 1
+    echoed = subprocess.run(["bash", "-c", exports[0] + '; printf %s "$PIMM_LAUNCH_COMMAND"'], capture_output=True,
+                            text=True).stdout
+    assert echoed.split() == ["pimm", "submit", *argv]
