@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
+from pimm.engines.state.weight_source import check_weight_option
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
@@ -228,7 +229,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
                "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
     RuntimeKey("scheduler_interval", 1, _int(1),
                "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
-    RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
+    RuntimeKey("weight", None, check_weight_option,
+               "warm-start weights: a .pth/.safetensors file, a run, checkpoint or export folder, or hf://org/name"),
     RuntimeKey("weight_key_map", None, _key_map,
                "warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
