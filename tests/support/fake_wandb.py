@@ -4,8 +4,9 @@
 It keeps what a W&B server would show: each run's rows ``(step, data)``.
 Like W&B, a row whose explicit ``step`` is below the run's current step is
 dropped (and counted in ``dropped``); ``init(resume_from="<id>?_step=N")``
-rewinds the run as W&B's rewind does: rows after step N are removed and the
-run's step is N. ``runs`` lists every ``init`` call's run, ``servers`` the
+rewinds the run as W&B's rewind does: rows after step N are removed and
+logging continues at step N + 1. ``use_client(rewind=False)`` acts as a client older than
+0.17.1 (no ``resume_from``). ``runs`` lists every ``init`` call's run, ``servers`` the
 history per run id (a resumed run continues it).
 """
 
@@ -15,12 +16,12 @@ import re
 
 runs: list["FakeRun"] = []
 servers: dict[str, list[tuple[int, dict]]] = {}
-SUPPORTS_REWIND = True
 
 
 def reset() -> None:
     runs.clear()
     servers.clear()
+    use_client(rewind=True)
 
 
 class Image:
@@ -38,18 +39,17 @@ class FakeRun:
         self.init_kwargs = kwargs
         resume_from = kwargs.get("resume_from")
         if resume_from is not None:
-            if not SUPPORTS_REWIND:
-                raise TypeError("init() got an unexpected keyword argument 'resume_from'")
             match = re.fullmatch(r"(?P<id>[\w-]+)\?_step=(?P<step>\d+)", resume_from)
             assert match, resume_from
             self.id, to_step = match["id"], int(match["step"])
             rows = servers.setdefault(self.id, [])
             rows[:] = [row for row in rows if row[0] <= to_step]
-            self.step = to_step
+            self.step = to_step + 1
         else:
             self.id = kwargs.get("id") or f"fake{len(runs)}"
             rows = servers.setdefault(self.id, [])
-            self.step = max((row[0] for row in rows), default=0)
+            # resume="allow": W&B continues after the last step it has
+            self.step = max((row[0] for row in rows), default=-1) + 1
         self.rows = rows
         self.dropped: list[tuple[int, dict]] = []
         self.defined: dict[str, dict] = {}
@@ -71,10 +71,29 @@ class FakeRun:
         self.finished = exit_code
 
 
-def init(**kwargs) -> FakeRun:
-    run = FakeRun(**kwargs)
+def _init_with_rewind(id=None, resume=None, resume_from=None, **kwargs) -> FakeRun:
+    if resume is not None and resume_from is not None:
+        raise ValueError("`resume` and `resume_from` are mutually exclusive")
+    run = FakeRun(id=id, resume=resume, **({"resume_from": resume_from} if resume_from else {}), **kwargs)
     runs.append(run)
     return run
+
+
+def _init_without_rewind(id=None, resume=None, **kwargs) -> FakeRun:
+    if "resume_from" in kwargs:
+        raise TypeError("init() got an unexpected keyword argument 'resume_from'")
+    run = FakeRun(id=id, resume=resume, **kwargs)
+    runs.append(run)
+    return run
+
+
+init = _init_with_rewind
+
+
+def use_client(rewind: bool) -> None:
+    """Act as a wandb client with (>= 0.17.1) or without ``resume_from``."""
+    global init
+    init = _init_with_rewind if rewind else _init_without_rewind
 
 
 def history(run_id: str, key: str) -> list[tuple[int, float]]:
