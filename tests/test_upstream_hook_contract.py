@@ -51,7 +51,7 @@ optimizer = dict(type="AdamW", lr=0.01)
 hooks = [
     dict(type="InformationWriter", log_frequency=2),
     dict(type="MyScalarHook", every=2),
-    dict(type="UpstreamStyleEvaluator", values={values!r}, greater_is_better={greater!r}),
+    {evaluator},
     dict(type="CheckpointSaver", keep_last=1, keep_best=True),
 ]
 '''
@@ -73,13 +73,16 @@ def wandb_stand_in(monkeypatch):
     return fake_wandb
 
 
-def _train(tmp_path, events, *, epoch=3, values=None, greater=True, use_wandb=False, options=(), run="run"):
+def _train(tmp_path, events, *, epoch=3, values=None, greater=True, use_wandb=False, options=(), run="run",
+           evaluator=None):
     from pimm.engines.launch import build_trainer, load_config
 
     cfg_path = tmp_path / f"{run}_cfg.py"
     cfg_path.write_text(CONFIG.format(base=str(ROOT / "configs" / "_base_" / "default_runtime.py"),
                                       save_path=str(tmp_path / run), epoch=epoch, data_root=str(events),
-                                      values=values, greater=greater, use_wandb=use_wandb))
+                                      use_wandb=use_wandb, evaluator=evaluator or
+                                      f"dict(type='UpstreamStyleEvaluator', values={values!r}, "
+                                      f"greater_is_better={greater!r})"))
     cfg, hooks = load_config(str(cfg_path), list(options), world_size=1)
     trainer = build_trainer(cfg, hooks=hooks)
     trainer.train()
@@ -138,6 +141,16 @@ def test_a_user_evaluators_published_metric_decides_model_best(tmp_path, events)
     assert best["metric"] == 0.9 and best["metric_name"] == "val/published" and best["global_step"] == 8
     assert trainer.best_metric_value == 0.9
     assert committed_steps(tmp_path / "run") == [8, 12]  # keep_best kept the best checkpoint beside the newest
+
+
+def test_a_metric_published_mid_epoch_saves_that_steps_weights(tmp_path, events):
+    """The best is taken after the step that published it, not at the next checkpoint."""
+    from pimm.engines.hooks.base import HookBase
+
+    trainer = _train(tmp_path, events, epoch=2, evaluator="dict(type='StepMetricPublisher', at={3: 0.9, 6: 0.5})")
+    best = torch.load(tmp_path / "run" / "model" / "model_best.pth", weights_only=True)
+    assert best["metric"] == 0.9 and best["global_step"] == 3 and best["metric_name"] == "val/stepwise"
+    assert "current_metric_value" not in trainer.comm_info and isinstance(trainer.hooks[0], HookBase)
 
 
 def test_smaller_is_better_when_the_evaluator_says_so(tmp_path, events):

@@ -12,8 +12,8 @@ pimm's one metric channel (:mod:`pimm.engines.metrics`), never a second one.
   channel (``trainer.metrics.latest(name)``), not logged.
 * ``trainer.comm_info["current_metric_value" / "current_metric_name" /
   "current_metric_greater_is_better"]``: a user evaluator's metric, taken by
-  :class:`~pimm.engines.hooks.checkpoint.CheckpointSaver` before it saves
-  (:func:`take_published_metric`): it becomes the channel's best metric and
+  :class:`~pimm.engines.hooks.checkpoint.CheckpointSaver` after the step that
+  published it and before it saves (:func:`take_published_metric`): it becomes the channel's best metric and
   decides ``model/model_best.pth`` and the best checkpoint kept.
 * ``trainer.best_metric_value``: the channel's best value (``-inf`` / ``inf``
   before any, by direction).
@@ -229,9 +229,11 @@ def take_published_metric(trainer) -> bool:
     declared on the metric channel as ``val/<name>`` (a name with a ``/`` is
     kept as is), tracked as the best metric when nothing else is, and, when it
     beats the best, written to ``model/model_best.pth``. The value is consumed
-    (one evaluation counts once). A collective when distributed (rank 0's
-    value is used: upstream evaluators often publish on rank 0 only). True
-    when it was a new best."""
+    (one evaluation counts once). CheckpointSaver calls it after every step
+    and before every save; when distributed only before saves (epoch ends and
+    ``save_freq``), since it is then a collective (rank 0's value is used:
+    upstream evaluators often publish on rank 0 only). True when it was a new
+    best."""
     info = trainer.comm_info
     published = None
     if "current_metric_value" in info:

@@ -108,6 +108,8 @@ class CheckpointSaver(HookBase):
     def after_step(self):
         """Save every ``save_freq`` steps or ``save_every_seconds``."""
         trainer = self.trainer
+        if "current_metric_value" in trainer.comm_info and comm.get_world_size() == 1:
+            take_published_metric(trainer)  # model_best holds this step's weights (distributed: at the next save)
         due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
         # At the last step of an epoch the epoch-end save follows immediately.
         if due and trainer.iter < trainer.iters_per_epoch:

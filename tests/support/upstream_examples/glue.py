@@ -71,6 +71,20 @@ def write_events(root: Path, split: str, count: int, seed: int) -> None:
 
 
 @HOOKS.register_module(force=True)
+class StepMetricPublisher(HookBase):
+    """Publishes ``at[global_step]`` as ``stepwise`` after those steps (an evaluator on a step schedule)."""
+
+    def __init__(self, at):
+        self.at = {int(k): v for k, v in at.items()}
+
+    def after_step(self):
+        value = self.at.get(self.trainer.global_step)
+        if value is not None:
+            self.trainer.comm_info["current_metric_value"] = value
+            self.trainer.comm_info["current_metric_name"] = "stepwise"
+
+
+@HOOKS.register_module(force=True)
 class UpstreamStyleEvaluator(HookBase):
     """Point accuracy on the validation split after every epoch, upstream's way;
     ``values``: publish these per epoch instead (a scripted best-model choice)."""
