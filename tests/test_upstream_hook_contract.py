@@ -151,6 +151,7 @@ def test_a_metric_published_mid_epoch_saves_that_steps_weights(tmp_path, events)
     best = torch.load(tmp_path / "run" / "model" / "model_best.pth", weights_only=True)
     assert best["metric"] == 0.9 and best["global_step"] == 3 and best["metric_name"] == "val/stepwise"
     assert "current_metric_value" not in trainer.comm_info and isinstance(trainer.hooks[0], HookBase)
+    assert trainer.comm_info["epoch"] == 1 and trainer.comm_info["iter_per_epoch"] == 4  # upstream's keys
 
 
 def test_smaller_is_better_when_the_evaluator_says_so(tmp_path, events):

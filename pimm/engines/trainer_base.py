@@ -185,6 +185,7 @@ class TrainerBase(UpstreamTrainerView):
         while state.epoch < self.max_epoch:
             self.epoch = state.epoch
             self.metrics.epoch = self.tracer.epoch = state.epoch + 1
+            self.comm_info["epoch"], self.comm_info["iter_per_epoch"] = state.epoch, self.iters_per_epoch  # upstream's
             self.call_hooks("before_epoch")
             if self.run_epoch():
                 return True
