@@ -27,7 +27,7 @@ def run_pimm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     proc = run_pimm("--help")
     assert proc.returncode == 0
-    for command in ("train", "test", "trace", "plot", "submit"):
+    for command in ("train", "test", "trace", "plot", "submit", "export"):
         assert f"\n  {command} " in proc.stdout
     bare = run_pimm()
     assert bare.returncode == 2 and "usage: pimm <command>" in bare.stderr
@@ -37,7 +37,7 @@ def test_unknown_command_is_one_error_line_and_exit_2():
     proc = run_pimm("trian", "--config-file", "x.py")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "error: unknown command 'trian'; did you mean 'train'? (commands: train, test, trace, plot, submit; "
+        "error: unknown command 'trian'; did you mean 'train'? (commands: train, test, trace, plot, submit, export; "
         "see pimm --help)"]
     assert proc.stdout == ""
 

@@ -47,9 +47,18 @@ def test_eval_epoch_sets_the_number_of_evaluations(tmp_path):
     trainer = make_trainer(tmp_path, "eval_epoch = 2\n")
     trainer.train()
     assert evaluated_steps(trainer) == [8, 16]  # every 4 // 2 = 2 epochs of 4 steps
-    (tmp_path / "bad").mkdir()
-    with pytest.raises(ConfigError, match="eval_epoch=3 must divide epoch=4"):
-        make_trainer(tmp_path / "bad", "eval_epoch = 3\n")
+
+
+
+@pytest.mark.parametrize("extra, options, steps", [
+    ("eval_epoch = 20\n", ["epoch=2"], [4, 8]),  # upstream's `--options epoch=10` on eval_epoch=20: every epoch
+    ("eval_epoch = 3\n", [], [4, 8, 12, 16]),  # 4 // 3 = 1: every epoch (at least 3 evaluations)
+    ("eval_epoch = 3\n", ["epoch=7"], [8, 16, 24, 28]),  # 7 // 3 = 2 epochs, and the final weights
+])
+def test_eval_epoch_accepts_upstreams_configs(tmp_path, extra, options, steps):
+    trainer = make_trainer(tmp_path, extra, options=options)
+    trainer.train()
+    assert evaluated_steps(trainer) == steps
 
 
 def test_process_settings_anomaly_mode_and_model_hook(tmp_path):

@@ -193,6 +193,9 @@ INTROS = {
     "convert": "Write the model weights of a checkpoint to one file in the format of `model/model_last.pth`: "
                "a sharded checkpoint of an FSDP run (any number of processes) is read in this one process, "
                "without a process group ([Distributed](distributed.md#one-file-from-a-sharded-checkpoint)).",
+    "pimm_export": "Write a run's model as a portable folder (`model.safetensors`, `config.json` with absolute "
+                   "paths redacted, `README.md`) that `pimm.from_pretrained` loads anywhere "
+                   "([Models that travel](pretrained.md)).",
     "export": "Export synthetic LArTPC events to PILArNet-M style HDF5 files ([Data](pilarnet.md)).",
 }
 
@@ -212,6 +215,7 @@ def render_cli_reference() -> str:
               "## `pimm test`", "", "The arguments of [`tools/test.py`](#toolstestpy).", ""]
     for name in ("trace", "plot", "submit"):
         lines += _command(f"pimm {name}", captured_parser(_pimm(name)), INTROS[name])
+    lines += _command("pimm export", captured_parser(_pimm("export", "RUN", "OUT")), INTROS["pimm_export"])
     lines += _command("tools/convert_checkpoint.py", captured_parser(_convert_checkpoint), INTROS["convert"])
     lines += _command("tools/export_pilarnet.py", captured_parser(_export_pilarnet), INTROS["export"])
     lines += ["## Runtime keys", "",

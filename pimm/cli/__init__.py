@@ -7,7 +7,8 @@
   ``pimm-test`` console scripts);
 * ``trace summarize|export RUN``: :mod:`pimm.tools.trace_report`;
 * ``plot RUN...``: :mod:`pimm.tools.plot`;
-* ``submit``: :mod:`pimm.tools.submit` (SLURM).
+* ``submit``: :mod:`pimm.tools.submit` (SLURM);
+* ``export RUN_DIR OUT``: :mod:`pimm.tools.export` (a model for ``pimm.from_pretrained``).
 
 Nothing heavy is imported at module level: torch, the models and data sets
 load only for ``train`` / ``test`` (:func:`register_all`), matplotlib only
@@ -85,6 +86,12 @@ def _plot(argv: list[str]) -> int:
     return plot.main(argv, prog="pimm plot")
 
 
+def _export(argv: list[str]) -> int:
+    from pimm.tools import export
+
+    return export.main(argv)
+
+
 def _submit(argv: list[str]) -> int:
     from pimm.tools import submit
 
@@ -97,8 +104,9 @@ COMMANDS = {
     "trace": ("summarize a run's structured trace, or export it for a trace viewer", _trace),
     "plot": ("draw curves from the metrics.jsonl of one or more runs", _plot),
     "submit": ("submit a training run to SLURM", _submit),
+    "export": ("write a run's model as a portable folder for pimm.from_pretrained", _export),
 }
-_OWN_ERRORS = ("trace", "plot", "submit")  # train/test report their own errors (pimm.engines.launch)
+_OWN_ERRORS = ("trace", "plot", "submit", "export")  # train/test report their own errors (pimm.engines.launch)
 
 
 def usage() -> str:

@@ -30,6 +30,7 @@ from pimm.engines.default_hooks import build_run_hooks, hook_order_lines
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
+from pimm.engines.run_records import apply_launch_command
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
@@ -92,12 +93,14 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
     cfg.set_command_options(options)
+    apply_launch_command(cfg)  # PIMM_LAUNCH_COMMAND, when the config names none
     hooks = prepare_config(cfg, world_size, mode)  # the command line itself must be valid, resume or not
     record = None
     if mode == "train" and cfg.resume:
         resumed, record, note = resume_config(config_file, options, cfg, apply_runtime_defaults)
         if record is not None:
             cfg = resumed
+            apply_launch_command(cfg)
             hooks = prepare_config(cfg, world_size, mode)
     if record is not None:
         # The file ignored or the options applied again, then every difference from the record: once, in the log.

@@ -161,6 +161,16 @@ class MetricChannel:
         """One scalar; see :meth:`publish`."""
         self.publish({name: value}, reduce=reduce, log=log)
 
+    def publish_local(self, scalars: dict[str, float], step: int | None = None) -> None:
+        """Host values of this rank alone (upstream's ``trainer.writer.add_scalar``,
+        called on rank 0 only): written as given at the next flush, and never a
+        reason to flush by themselves (other ranks have no such record, and a
+        flush is a collective)."""
+        for name, value in scalars.items():
+            self._latest[name] = value
+            self._windows[name].append(value)
+        self._pending.append((self.step if step is None else step, self.epoch, dict(scalars), "last", False))
+
     def record(self, name: str, value: float) -> None:
         """A host number shared with other hooks, not logged (timings): the
         cheapest :meth:`put` for per-step values."""
@@ -230,6 +240,11 @@ class MetricChannel:
             raise ConfigError(f"best metric {name!r} has no declared direction")
         if self.best.name is None:
             self.best = BestMetric(name=name, mode=self._directions[name])
+            restored = self._restored_best  # a metric first tracked after a resume (a user evaluator's)
+            if restored.get("name") == name:
+                self.best.value, self.best.step = restored.get("value"), restored.get("step")
+
+    _restored_best: dict = {}
 
     def update_best(self, name: str, value: float, step: int) -> bool:
         """Record ``value`` of ``name`` if it is the tracked metric and beats the best; True when it does."""
@@ -245,6 +260,7 @@ class MetricChannel:
     def load_state_dict(self, state: dict) -> None:
         """Take back the best value (when it names the same metric)."""
         best = state.get("best") or {}
+        self._restored_best = dict(best)
         if best.get("name") is not None and best["name"] == self.best.name:
             self.best.value, self.best.step = best.get("value"), best.get("step")
 

@@ -60,9 +60,11 @@ def guard_fresh_run(cfg) -> None:
 
 
 def write_config(cfg) -> Path:
-    """Write the resolved config to ``save_path/config.py`` (rank 0). A resume
-    of the same run rewrites it in place; any other difference keeps the
-    earlier file beside it."""
+    """Write the resolved config to ``save_path/config.py`` (rank 0), and beside it
+    upstream's ``resolved_config.json`` / ``run_metadata.json``
+    (:mod:`pimm.engines.run_records`). A resume of the same run rewrites it in
+    place; any other difference keeps the earlier file beside it."""
+    from pimm.engines.run_records import write_run_records
     from pimm.utils.config import Config
 
     path = Path(cfg.save_path) / "config.py"
@@ -80,12 +82,14 @@ def write_config(cfg) -> Path:
             earlier = {}
         # A resume (or a run directory that was moved) is the same run: only
         # another config sets the earlier record aside.
-        local = ("resume", "save_path")
+        local = ("resume", "save_path", "launch_command")
         if {k: v for k, v in earlier.items() if k not in local} == {k: v for k, v in cfg.items() if k not in local}:
             cfg.dump(str(path))
+            write_run_records(cfg, same_run=True)
             return path
         set_aside(path)
     cfg.dump(str(path))
+    write_run_records(cfg, same_run=False)  # resolved_config.json, run_metadata.json (upstream's names)
     return path
 
 

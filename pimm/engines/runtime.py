@@ -25,6 +25,7 @@ from typing import Any, Callable
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.default_hooks import DEFAULT_HOOKS, check_default_hooks, fill_default_hooks
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
+from pimm.engines.state.weight_source import check_weight_option
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
@@ -217,7 +218,8 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
                "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
     RuntimeKey("scheduler_interval", 1, _int(1),
                "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
-    RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
+    RuntimeKey("weight", None, check_weight_option,
+               "warm-start weights: a .pth/.safetensors file, a run, checkpoint or export folder, or hf://org/name"),
     RuntimeKey("weight_key_map", None, _key_map,
                "warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
@@ -239,7 +241,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("scheduler", None, _dict_or_none, "a dict(type=...) from SCHEDULERS; None: constant lr; several optimizers: dict(<part>=dict(type=...))"),
     RuntimeKey("batch_size_test", None, _int(1, allow_none=True), "global; None = batch_size_val, else batch_size"),
     RuntimeKey("eval_epoch", None, _int(1, allow_none=True),
-               "evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)"),
+               "evaluations in the run: every max(1, epoch // eval_epoch) epochs, the last always (None: every epoch)"),
     RuntimeKey("test_only", False, _bool, "tools/train.py scores `weight` on data.test instead of training"),
     RuntimeKey("test", None, _dict_or_none,
                "a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)"),
@@ -299,9 +301,6 @@ def validate_runtime(cfg, world_size: int) -> None:
     if cfg.num_worker % world_size:
         raise ConfigError(f"num_worker={cfg.num_worker} is global and must be divisible by the {world_size} "
                           f"processes; use a multiple of {world_size}")
-    if cfg.eval_epoch is not None and (cfg.eval_epoch > cfg.epoch or cfg.epoch % cfg.eval_epoch):
-        raise ConfigError(f"eval_epoch={cfg.eval_epoch} must divide epoch={cfg.epoch}: the run evaluates every "
-                          "epoch // eval_epoch epochs")
     if cfg.use_wandb:
         require("wandb", "wandb", "use_wandb=True")
     save_path = Path(cfg.save_path)

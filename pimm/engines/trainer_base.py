@@ -34,6 +34,7 @@ import logging
 import weakref
 
 from pimm.engines.control import StopControl
+from pimm.engines.hook_contract import UpstreamTrainerView
 from pimm.engines.hooks.base import PHASES, HookBase, get_priority
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
@@ -46,7 +47,7 @@ __all__ = ["TrainerBase"]
 OUTCOMES = ("running", "completed", "stopped", "preempted", "failed")
 
 
-class TrainerBase:
+class TrainerBase(UpstreamTrainerView):
     """The loop (see the module docstring). Attributes every hook may read:
 
     ``train_state`` (epoch, step in epoch, global step, samples seen),
@@ -54,7 +55,8 @@ class TrainerBase:
     ``iters_per_epoch``, ``metrics`` (the metric channel), ``comm_info``
     (this step's ``input_dict``, ``model_output_dict``, ``loss`` and ``iter``),
     ``step_result`` (the last update's grad norm, whether it stepped, its lr),
-    ``logger``, ``outcome``."""
+    ``logger``, ``outcome``; and upstream's ``storage``, ``best_metric_value``,
+    ``start_epoch``, ``comm_info["iter_info"]`` (:mod:`pimm.engines.hook_contract`)."""
 
     def __init__(self):
         self.hooks: list[HookBase] = []
@@ -64,7 +66,7 @@ class TrainerBase:
         self.max_epoch = 0
         self.iters_per_epoch = 0
         self.samples_per_step = 0
-        self.comm_info: dict = {}
+        self.comm_info: dict = {"iter_info": ""}
         self.step_result = None
         self.metrics = MetricChannel()
         self.logger = logging.getLogger("pimm")
@@ -129,7 +131,7 @@ class TrainerBase:
         try:
             self.control.install()
             restored = self.restore()
-            self.epoch = self.train_state.epoch
+            self.epoch = self.start_epoch = self.train_state.epoch
             self.metrics.step, self.metrics.epoch = self.train_state.global_step, self.train_state.epoch + 1
             if restored:
                 tracer.instant("resume", from_step=self.train_state.global_step)
@@ -183,12 +185,14 @@ class TrainerBase:
         while state.epoch < self.max_epoch:
             self.epoch = state.epoch
             self.metrics.epoch = self.tracer.epoch = state.epoch + 1
+            self.comm_info["epoch"], self.comm_info["iter_per_epoch"] = state.epoch, self.iters_per_epoch  # upstream's
             self.call_hooks("before_epoch")
             if self.run_epoch():
                 return True
             state.epoch += 1
             state.iter_in_epoch = 0
             self.call_hooks("after_epoch")
+            self.reset_epoch_histories()  # upstream's trainer.storage holds one epoch
             if state.epoch < self.max_epoch and self.control.pending and self.control.should_stop(state.global_step):
                 return True
         return False
@@ -211,6 +215,7 @@ class TrainerBase:
             if traced:
                 tracer.step = state.global_step + 1
                 start = t = tracer.now()
+            info["iter_info"] = ""  # upstream's log-line text, appended to by this step's hooks
             for fn in before:
                 fn()
             if traced and before:

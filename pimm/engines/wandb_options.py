@@ -20,6 +20,16 @@ The keys are upstream pimm's (its trainer reads them from the config):
 
 Any other ``wandb_*`` key in a config is an error naming the nearest known
 key: a misspelt ``wandb_grup`` must not silently log ungrouped runs.
+
+Every row carries ``train/global_step`` (the training step, plus
+``log_step_offset``), declared as the step metric of every other key, as
+upstream logs. On resume the W&B run is rewound to the checkpoint's step
+(``wandb.init(resume_from="<id>?_step=<N>")``, W&B >= 0.17.1): the rows the
+killed attempt logged after the checkpoint are dropped from its history
+(W&B keeps them in an archived segment) and the replayed steps are logged
+again. A client without ``resume_from`` falls back to ``resume="allow"``: the
+run continues, the tail rows stay, and the replayed steps up to the last one
+W&B already has are dropped by W&B; a warning says so (upgrade wandb).
 """
 
 from __future__ import annotations
@@ -30,7 +40,11 @@ from typing import Any
 
 from pimm.utils.errors import ConfigError
 
-__all__ = ["WANDB_RESUME_MODES", "check_wandb_keys", "wandb_init_options", "start_wandb_run", "WandbRun"]
+__all__ = ["WANDB_RESUME_MODES", "STEP_METRIC", "check_wandb_keys", "wandb_init_options", "start_wandb_run",
+           "supports_rewind", "WandbRun"]
+
+#: The x-axis of every W&B chart pimm logs (upstream's name).
+STEP_METRIC = "train/global_step"
 
 WANDB_RESUME_MODES = ("allow", "must", "never", "auto")
 
@@ -134,10 +148,16 @@ class WandbRun:
         self.run = run
         self.step_offset = step_offset
         self.id = run.id
+        define = getattr(run, "define_metric", None)
+        if define is not None:
+            define(STEP_METRIC, hidden=True)
+            define("*", step_metric=STEP_METRIC)
 
     def log(self, data: dict, step: int) -> None:
-        """Log ``data`` at the run's ``step`` (W&B receives ``step + log_step_offset``)."""
-        self.run.log(data, step=step + self.step_offset)
+        """Log ``data`` at the run's ``step`` (W&B receives ``step + log_step_offset``,
+        also as ``train/global_step``)."""
+        step = step + self.step_offset
+        self.run.log({**data, STEP_METRIC: step}, step=step)
 
     def record_failure(self, text: str, step: int) -> None:
         """The failure's description in the run summary (``exception``, ``failed_at_step``)."""
@@ -149,15 +169,38 @@ class WandbRun:
         self.run.finish(exit_code=exit_code)
 
 
-def start_wandb_run(init: dict, run_id: str | None, save_path: str | Path) -> WandbRun:
+def supports_rewind(wandb_module) -> bool:
+    """Whether this ``wandb`` client takes ``resume_from`` (W&B >= 0.17.1)."""
+    import inspect
+
+    try:
+        return "resume_from" in inspect.signature(wandb_module.init).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def start_wandb_run(init: dict, run_id: str | None, save_path: str | Path,
+                    rewind: tuple[str, int] | None = None, logger=None) -> WandbRun:
     """``wandb.init`` with the writer's ``init`` options; the run id is
     ``wandb_run_id`` when set, else ``run_id`` (drawn by the writer or restored
-    from a checkpoint)."""
+    from a checkpoint). ``rewind=(run id, step)``: a resume from the
+    checkpoint at that step of that run, which rewinds the W&B run there (see
+    the module docstring) when it is the run being continued."""
     import wandb
 
     kwargs = dict(init)
     step_offset = kwargs.pop(_STEP_OFFSET, 0)
     kwargs["id"] = kwargs.get("id") or run_id
-    kwargs.setdefault("resume", "allow")
     kwargs.setdefault("dir", str(save_path))
+    if rewind is not None and rewind[0] == kwargs["id"]:
+        if supports_rewind(wandb):
+            kwargs.pop("resume", None)  # W&B: resume and resume_from exclude each other
+            kwargs["resume_from"] = f"{kwargs['id']}?_step={rewind[1] + step_offset}"
+        elif logger is not None:
+            logger.warning(f"W&B: this wandb client cannot rewind a run (resume_from needs wandb >= 0.17.1): run "
+                           f"{kwargs['id']} keeps the rows logged after the checkpoint at step {rewind[1]}, and W&B "
+                           "drops the replayed steps it already has; upgrade wandb for a history that matches "
+                           "metrics.jsonl")
+    if "resume_from" not in kwargs:
+        kwargs.setdefault("resume", "allow")
     return WandbRun(wandb.init(**kwargs), step_offset=step_offset)

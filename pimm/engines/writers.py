@@ -19,7 +19,8 @@ closes). Records that are not dense are written at their own step.
 
 On resume the writer rewinds to the checkpoint: lines of ``metrics.jsonl``
 written after it are moved to ``metrics.rewound.jsonl`` (nothing is
-deleted), TensorBoard purges later steps, and W&B continues the same run id.
+deleted), TensorBoard purges later steps, and W&B continues the same run id,
+rewound to the checkpoint's step (:mod:`pimm.engines.wandb_options`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pimm.engines.hook_contract import SummaryWriterCalls
 from pimm.engines.metrics import reduce_values, tag_op
 from pimm.utils import comm
 
@@ -41,12 +43,14 @@ METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"
 
 
-class MetricsWriter:
+class MetricsWriter(SummaryWriterCalls):
     """Rank 0's outputs for flushed metrics: ``metrics.jsonl`` (every record,
     non-finite values as ``null``), TensorBoard (one event per logging window)
     and, with ``use_wandb``, a W&B run whose id is chosen here so that the first
     checkpoint carries it and a resume continues the same run. On other ranks it
-    writes nothing.
+    writes nothing. Hooks written for upstream call TensorBoard's ``add_scalar``,
+    ``add_scalars``, ``add_image``, ``add_histogram`` on it
+    (:class:`~pimm.engines.hook_contract.SummaryWriterCalls`).
 
     Args:
         save_path: the run directory.
@@ -144,7 +148,8 @@ class MetricsWriter:
         if self.use_wandb:
             from pimm.engines.wandb_options import start_wandb_run
 
-            self._wandb_run = start_wandb_run(self.wandb_init, self.wandb_run_id, self.save_path)
+            self._wandb_run = start_wandb_run(self.wandb_init, self.wandb_run_id, self.save_path,
+                                              rewind=self._wandb_rewind, logger=self.logger)
             self.wandb_run_id = self._wandb_run.id  # wandb_run_id, when set, wins: checkpoints carry it
 
     # -- resume ---------------------------------------------------------
@@ -168,6 +173,7 @@ class MetricsWriter:
         self.rewind(state["jsonl_bytes"], state["last_step"])
         if state.get("wandb_run_id"):
             self.wandb_run_id = state["wandb_run_id"]
+            self._wandb_rewind = (state["wandb_run_id"], state["last_step"])  # W&B rewinds there too
 
     def rewind(self, jsonl_bytes: int, last_step: int) -> None:
         """Forget everything logged after a checkpoint taken at ``last_step``."""
@@ -209,6 +215,7 @@ class MetricsWriter:
             self._failed = True
 
     _failed = False
+    _wandb_rewind: tuple[str, int] | None = None  # (run id, step) of the checkpoint a resume starts from
 
     def close(self) -> None:
         """Write the open dashboard window, then close every sink."""

@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         job = plan(args)
+        # The command to run again, for the run's launch_command (config.py, run_metadata.json, W&B notes).
+        job.parameters["setup"].append(f"export PIMM_LAUNCH_COMMAND={shlex.quote(shlex.join(['pimm', 'submit', *argv]))}")
         if args.dry_run:
             print(dry_run_text(job), end="")
             return EXIT_OK

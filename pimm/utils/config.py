@@ -62,9 +62,14 @@ class Config(ConfigDict):
 
     @classmethod
     def fromfile(cls, path: str | os.PathLike) -> "Config":
-        """Load a Python config file, resolving ``_base_`` and ``custom_imports``."""
+        """Load a Python config file, resolving ``_base_`` and ``custom_imports``, then
+        upstream's ``hooks_override`` (:mod:`pimm.utils.hooks_override`)."""
+        from .hooks_override import apply_hooks_override
+
         resolved = Path(os.path.expanduser(path)).resolve()
-        return cls(_load_file(resolved, None, ()), filename=resolved)
+        cfg = cls(_load_file(resolved, None, ()), filename=resolved)
+        apply_hooks_override(cfg)
+        return cfg
 
     def merge_from_options(self, tokens: Iterable[str] | None) -> None:
         """Apply ``--options`` tokens (``key=value``, ``+key=value``) in order.

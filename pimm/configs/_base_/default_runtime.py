@@ -12,7 +12,7 @@ num_worker = 0  # global data-loading workers, split across processes
 resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; a checkpoint folder's path: continue from that one
 validate_on_resume = False  # a resumed run evaluates its weights (val/* at the resumed step) before training continues
 scheduler_interval = 1  # optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)
-weight = None  # warm-start weights (a .pth file)
+weight = None  # warm-start weights: a .pth/.safetensors file, a run, checkpoint or export folder, or hf://org/name
 weight_key_map = None  # warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys
 evaluate = True  # run the evaluator hooks
 enable_amp = False  # mixed precision (autocast)
@@ -37,7 +37,7 @@ preempt_signals = ['SIGTERM']  # signals that checkpoint and exit 75, e.g. ['SIG
 param_dicts = None  # per-parameter-group options, see docs/engine.md; several optimizers: dict(<part>=[...])
 scheduler = None  # a dict(type=...) from SCHEDULERS; None: constant lr; several optimizers: dict(<part>=dict(type=...))
 batch_size_test = None  # global; None = batch_size_val, else batch_size
-eval_epoch = None  # evaluations in the run: every epoch // eval_epoch epochs (None: every epoch)
+eval_epoch = None  # evaluations in the run: every max(1, epoch // eval_epoch) epochs, the last always (None: every epoch)
 test_only = False  # tools/train.py scores `weight` on data.test instead of training
 test = None  # a dict(type=...) from TESTERS for tools/test.py (None: the evaluator hooks on data.test)
 iters_per_epoch = None  # steps (GRPO: rollouts) per epoch over an iterable training set; None: num_samples() // processes // batch per process

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from pimm.engines.hook_contract import take_published_metric
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.engines.state.manager import Retention
@@ -114,6 +115,8 @@ class CheckpointSaver(HookBase):
     def after_step(self):
         """Save every ``save_freq`` steps, ``save_every_seconds`` or ``evaluator_every_n_steps``."""
         trainer = self.trainer
+        if "current_metric_value" in trainer.comm_info and comm.get_world_size() == 1:
+            take_published_metric(trainer)  # model_best holds this step's weights (distributed: at the next save)
         due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
         if self.evaluator_every_n_steps and trainer.cfg.evaluate:
             due = due or trainer.global_step % self.evaluator_every_n_steps == 0
@@ -126,7 +129,10 @@ class CheckpointSaver(HookBase):
         self.save()
 
     def save(self):
-        """Commit a checkpoint now (a collective: every rank calls it at the same step)."""
+        """Commit a checkpoint now (a collective: every rank calls it at the same step).
+        A metric a user evaluator published in ``comm_info`` (upstream's
+        ``current_metric_value``) first decides the best model."""
+        take_published_metric(self.trainer)
         self.trainer.save_checkpoint()
         self._last_save = time.monotonic()
 

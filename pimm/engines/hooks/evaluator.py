@@ -40,7 +40,7 @@ from pimm.utils import comm
 from pimm.utils.extras import skip_without_extra
 from pimm.utils.rng import fork_rng
 
-__all__ = ["EvaluatorBase"]
+__all__ = ["EvaluatorBase", "eval_interval_epochs"]
 
 
 class EvaluatorBase(HookBase):
@@ -131,8 +131,8 @@ class EvaluatorBase(HookBase):
         trainer = self.trainer
         if self.every_n_steps or not trainer.cfg.evaluate:
             return
-        eval_epoch = trainer.cfg.get("eval_epoch")  # evaluations in the run (upstream's key)
-        if eval_epoch and trainer.train_state.epoch % (trainer.max_epoch // eval_epoch):
+        every = eval_interval_epochs(trainer.max_epoch, trainer.cfg.get("eval_epoch"))
+        if trainer.train_state.epoch % every:
             return  # the final weights are scored at the end whatever the interval
         trainer.validate([self])
 
@@ -178,6 +178,18 @@ class EvaluatorBase(HookBase):
         if batches.item() > 0:
             metrics.setdefault("loss", (loss_sum / batches).item())
         return metrics
+
+
+def eval_interval_epochs(epoch: int, eval_epoch: int | None) -> int:
+    """Epochs between the scheduled evaluations of a run of ``epoch`` epochs with
+    ``eval_epoch`` evaluations (upstream's key): ``max(1, epoch // eval_epoch)``,
+    so an ``eval_epoch`` at or above ``epoch`` (upstream's default sets it to
+    ``epoch``; ``--options epoch=10`` on ``eval_epoch=20``) evaluates every
+    epoch, and one that does not divide ``epoch`` evaluates at least that
+    often. The final weights are scored at the end whatever the interval."""
+    if not eval_epoch or not epoch:
+        return 1
+    return max(1, epoch // eval_epoch)
 
 
 def _check_interval(every_n_steps) -> None:

@@ -73,6 +73,9 @@ class InformationWriter(HookBase):
             head += f" lr {window['train/lr']:.3e}"
         tail = f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
         extras = [f"{tag[6:]} {value:.4g}" for tag, value in window.items() if tag not in ("train/loss", "train/lr")]
+        iter_info = str(trainer.comm_info.get("iter_info") or "").strip()  # upstream hooks' text for this line
+        if iter_info:
+            extras.insert(0, iter_info)
         trainer.logger.info(fit_line(head, extras, tail, self.max_width, self.max_extras))
 
     def after_epoch(self):

@@ -73,10 +73,15 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
     file's keys (the ``module.`` prefix of DDP and the ``_orig_mod.`` prefix
     of a ``torch.compile`` wrapper, as saved by other tools, are always stripped).
     ``strict`` with ``allow_unexpected=False`` also refuses file tensors the
-    model has no place for (``CheckpointLoader(strict=True)``: every tensor used)."""
-    path = Path(path)
+    model has no place for (``CheckpointLoader(strict=True)``: every tensor used).
+    ``path`` is any form :mod:`pimm.engines.state.weight_source` resolves (a
+    .pth or .safetensors file, a run, checkpoint or export folder, hf://...)."""
+    from pimm.engines.state.weight_source import read_state_dict, resolve_weight_source
+
+    state = read_state_dict(resolve_weight_source(path))
+    path = str(path)
     renamed = {}
-    for key, tensor in read_weights(path).items():
+    for key, tensor in state.items():
         key = strip_wrapper_prefixes(key)
         for old, new in key_map:
             if key.startswith(old):

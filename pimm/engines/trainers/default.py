@@ -155,6 +155,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
+        self.writer.channel = self.metrics  # upstream's trainer.writer.add_scalar publishes here
         self.control = StopControl(cfg.preempt_signals, check_every=stop_check_every)
 
     def register_state(self) -> None:

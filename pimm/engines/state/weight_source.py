@@ -1,0 +1,169 @@
+"""Where model weights come from: every form ``weight=``, ``tools/test.py`` and
+:func:`pimm.from_pretrained` take, resolved to one readable source.
+
+* a ``.pth`` file (a bare state dict, or one under ``state_dict`` / ``model``);
+* a ``.safetensors`` file;
+* an export folder (``model.safetensors``, or ``model.bin``; see
+  :func:`pimm.save_pretrained`);
+* a run directory (its ``model/model_best.pth``, else ``model/model_last.pth``);
+* a checkpoint folder (``checkpoints/step...-epoch...``, whole or sharded), or a
+  ``checkpoints/`` folder (its newest intact checkpoint);
+* ``hf://org/name[@revision][/path/in/repo]``: a Hugging Face Hub model,
+  through ``huggingface_hub``'s cache (the optional ``hub`` extra). Offline
+  (``HF_HUB_OFFLINE=1``) it is read from the cache; not cached there, it is one
+  error naming the model.
+
+Every ``.pth`` is read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pimm.engines.state.manager import MANIFEST
+from pimm.utils.errors import CheckpointError, ConfigError
+
+__all__ = ["HF_SCHEME", "EXPORT_WEIGHT_NAMES", "WeightSource", "parse_hf_uri", "resolve_weight_source",
+           "read_state_dict", "check_weight_option"]
+
+HF_SCHEME = "hf://"
+EXPORT_WEIGHT_NAMES = ("model.safetensors", "model.bin")
+_HF_URI = re.compile(r"hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+?))?(?:/(?P<file>.+))?")
+_RUN_MODEL_FILES = ("model_best.pth", "model_last.pth")
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """A resolved weight source: ``kind`` (``pth``, ``safetensors``,
+    ``checkpoint``), ``path`` (the file or checkpoint folder to read), and
+    ``folder``: the export folder or run directory it came from (where its
+    config is), or None."""
+
+    kind: str
+    path: Path
+    folder: Path | None = None
+    origin: str = ""
+
+
+def parse_hf_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``hf://org/name[@rev][/file]`` -> ``(org/name, rev or None, file or None)``."""
+    match = _HF_URI.fullmatch(uri.strip())
+    if match is None:
+        raise ConfigError(f"{uri!r} is not a Hugging Face model name: write hf://org/name, hf://org/name@revision "
+                          "or hf://org/name/path/to/file.safetensors")
+    return match["repo"], match["rev"], match["file"]
+
+
+def _hf_download(uri: str) -> Path:
+    """The local path of ``uri`` in huggingface_hub's cache (downloaded when online)."""
+    repo, revision, filename = parse_hf_uri(uri)
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ConfigError(f"{uri}: reading Hugging Face models needs huggingface_hub: pip install 'pimm[hub]' "
+                          "(or give a local path)") from None
+    try:
+        if filename:
+            return Path(huggingface_hub.hf_hub_download(repo, filename, revision=revision))
+        return Path(huggingface_hub.snapshot_download(
+            repo, revision=revision, allow_patterns=[*EXPORT_WEIGHT_NAMES, "*.json", "README.md"]))
+    except Exception as err:  # offline and not cached, unknown repo, no network: many exception types
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        name = type(err).__name__
+        if offline or "LocalEntryNotFound" in name or "OfflineMode" in name or "Connect" in name:
+            raise CheckpointError(f"model {uri} is not in the Hugging Face cache and the Hub cannot be reached"
+                                  f"{' (HF_HUB_OFFLINE=1)' if offline else ''}; download it once online, or give "
+                                  "a local path") from None
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise CheckpointError(f"{uri}: cannot fetch model {repo} from the Hugging Face Hub ({name}: {first})") from None
+
+
+def _from_folder(folder: Path, origin: str) -> WeightSource:
+    if (folder / MANIFEST).is_file():
+        return WeightSource("checkpoint", folder, folder.parent.parent, origin)
+    for name in EXPORT_WEIGHT_NAMES:
+        if (folder / name).is_file():
+            return WeightSource("safetensors" if name.endswith(".safetensors") else "pth", folder / name, folder,
+                                origin)
+    for name in _RUN_MODEL_FILES:
+        if (folder / "model" / name).is_file():
+            return WeightSource("pth", folder / "model" / name, folder, origin)
+    checkpoints = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    from pimm.engines.state.manager import CheckpointManager
+
+    manager = CheckpointManager(checkpoints)
+    for candidate in reversed(manager.committed()):
+        if manager.verify(candidate) == "ok":
+            return WeightSource("checkpoint", candidate, checkpoints.parent, origin)
+    raise CheckpointError(f"{origin}: holds no model weights (looked for {', '.join(EXPORT_WEIGHT_NAMES)}, "
+                          "model/model_best.pth, model/model_last.pth and committed checkpoints)")
+
+
+def resolve_weight_source(weight: str | os.PathLike) -> WeightSource:
+    """Resolve ``weight`` (see the module docstring); CheckpointError naming it if
+    nothing readable is there."""
+    origin = str(weight)
+    if origin.startswith(HF_SCHEME):
+        local = _hf_download(origin)
+        return _from_folder(local, origin) if local.is_dir() else _from_file(local, origin, local.parent)
+    path = Path(os.path.expanduser(origin))
+    if path.is_dir():
+        return _from_folder(path, origin)
+    if not path.exists():
+        raise CheckpointError(f"weight={origin!r}: no such file or directory; give a .pth or .safetensors file, a "
+                              "run directory, a checkpoint folder, an export folder or hf://org/name")
+    folder = path.parent.parent if path.parent.name == "model" else path.parent
+    return _from_file(path, origin, folder)
+
+
+def _from_file(path: Path, origin: str, folder: Path | None) -> WeightSource:
+    return WeightSource("safetensors" if path.suffix == ".safetensors" else "pth", path, folder, origin)
+
+
+def read_state_dict(source: WeightSource) -> dict:
+    """The model state dict of ``source``, on the CPU."""
+    if source.kind == "safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"weight={source.origin!r}: reading .safetensors needs the safetensors package "
+                                  "(pip install safetensors)") from None
+        try:
+            return load_file(str(source.path), device="cpu")
+        except Exception as err:  # a damaged or foreign file
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise CheckpointError(f"weight={source.origin!r}: {source.path} cannot be read as safetensors "
+                                  f"({type(err).__name__}: {first})") from None
+    if source.kind == "checkpoint":
+        from pimm.engines.state.convert import read_checkpoint_weights
+
+        return read_checkpoint_weights(source.path)
+    from pimm.engines.state.weights import read_weights
+
+    return read_weights(source.path)
+
+
+def check_weight_option(key: str, value):
+    """The runtime check of ``weight=``: None, ``hf://...`` (its syntax), or a path
+    that exists (a file, or a folder holding weights)."""
+    if value is None:
+        return value
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a path, hf://org/name or None")
+    value = str(value)
+    if value.startswith(HF_SCHEME):
+        parse_hf_uri(value)
+        return value
+    value = os.path.expanduser(value)
+    if not Path(value).exists():
+        raise ConfigError(f"{key}={value!r}: no such file or directory; give a .pth or .safetensors file, a run "
+                          "directory, a checkpoint folder, an export folder or hf://org/name")
+    if Path(value).is_dir():
+        try:
+            _from_folder(Path(value), value)
+        except CheckpointError as err:
+            raise ConfigError(f"{key}={err}") from None
+    return value

@@ -1,0 +1,1 @@
+"""Upstream pimm's ``pimm.models.utils`` package: ``structure`` holds ``Point``."""

@@ -1,0 +1,63 @@
+"""``hooks_override``: upstream pimm's config key for changing the options of
+hooks a config inherits, by type, without copying the whole ``hooks`` list::
+
+    hooks_override = dict(
+        CheckpointSaver=dict(save_freq=500),
+        SemSegEvaluator={"every_n_steps": 1000},   # dotted names reach nested dicts: "a.b"
+    )
+
+Each entry sets those options on every hook of that type in ``hooks`` (and in
+``default_hooks`` when a config has such a list), exactly like ``--options
+hooks.CheckpointSaver.save_freq=500`` (the same checks: a misspelt option is an
+error naming the nearest parameter). It is applied when the file is loaded,
+after its ``_base_`` chain and before ``--options`` (so the command line wins),
+and the key is then removed: ``config.py`` of a run holds the edited hooks.
+A type that is in none of those lists is an error, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config_options import apply_option
+from .errors import ConfigError
+
+__all__ = ["KEY", "apply_hooks_override"]
+
+KEY = "hooks_override"
+_HOOK_LISTS = ("hooks", "default_hooks")
+
+
+def _types(entries: Any) -> list[str]:
+    if not isinstance(entries, (list, tuple)):
+        return []
+    return [e["type"] for e in entries if isinstance(e, dict) and isinstance(e.get("type"), str)]
+
+
+def apply_hooks_override(cfg: dict) -> None:
+    """Apply and remove ``cfg["hooks_override"]`` (see the module docstring)."""
+    if KEY not in cfg:
+        return
+    overrides = cfg.pop(KEY)
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{KEY} must be a dict(HookType=dict(option=value)), got {overrides!r}")
+    present = {name: _types(cfg.get(name)) for name in _HOOK_LISTS}
+    for hook_type, options in overrides.items():
+        if not isinstance(options, dict):
+            raise ConfigError(f"{KEY}[{hook_type!r}] must be a dict of options, e.g. dict(save_freq=100), "
+                              f"got {options!r}")
+        lists = [name for name, types in present.items() if hook_type in types]
+        if not lists:
+            listed = sorted({t for types in present.values() for t in types})
+            raise ConfigError(f"{KEY}: hook type {hook_type!r} is not in the config's hooks "
+                              f"({', '.join(listed) or 'none'}); add dict(type={hook_type!r}) to hooks or drop it "
+                              f"from {KEY}")
+        for option, value in options.items():
+            for name in lists:
+                try:
+                    apply_option(cfg, f"{name}.{hook_type}.{option}", value)
+                except ConfigError as err:
+                    err.args = (str(err).replace("--options ", f"{KEY}: ", 1),)
+                    raise
