@@ -27,8 +27,11 @@ The rest of a step (MLPs, norms, the head and the loss) is ``other``. The
 script also checks the largest attention operand: ``(patches, heads, K,
 dim)``, never ``N x N``.
 
+``--compare configs/lartpc/semseg-sparseunet.py`` times that config's step
+on the same events in rounds interleaved with PT-v3's and prints the ratio.
+
     python bench/ptv3.py [--rounds 3] [--batches 2] [--events 8] [--threads 1] [--device cpu]
-                         [--backbone KEY=VALUE ...]
+                         [--backbone KEY=VALUE ...] [--compare CONFIG]
 """
 
 from __future__ import annotations
@@ -189,9 +192,55 @@ class Recorder:
 
 
 
+class Stepper:
+    """One config's model and its batches (the config's own transforms) of
+    the same generated events, and its timed training steps."""
+
+    def __init__(self, config: str, args, device, backbone_overrides=()):
+        cfg = Config.fromfile(config)
+        for item in backbone_overrides:
+            key, _, value = item.partition("=")
+            cfg.model["backbone"][key] = ast.literal_eval(value)
+        self.name = Path(config).name
+        self.cfg = cfg
+        dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
+        self.batches = [to_device(point_collate_fn([dataset[b * args.events + i] for i in range(args.events)]),
+                                  device) for b in range(args.batches)]
+        torch.manual_seed(0)
+        self.model = MODELS.build(cfg.model).to(device).train()
+        self.points = [int(b["offset"][-1]) for b in self.batches]
+        self.times, self.walls = [], []
+
+    def step(self, batch):
+        out = self.model(dict(batch))
+        out["loss"].backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def timed_round(self, device):
+        for batch in self.batches:
+            sync(device)
+            t, wall = clock(), time.perf_counter()
+            self.step(batch)
+            sync(device)
+            self.times.append(clock() - t)
+            self.walls.append(time.perf_counter() - wall)
+
+    def report(self) -> float:
+        per_step = statistics.median(self.times)
+        params = sum(p.numel() for p in self.model.parameters())
+        print(f"{self.name}: {self.cfg.model['backbone']['type']}, {params:,} parameters, "
+              f"{statistics.mean(self.points):,.0f} points per batch: {per_step * 1e3:.0f} ms/step "
+              f"(median of {len(self.times)}), {statistics.mean(self.points) / per_step:,.0f} points/s; "
+              f"wall {statistics.median(self.walls) * 1e3:.0f} ms/step")
+        return per_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(CONFIG))
+    parser.add_argument("--compare", default=None, metavar="CONFIG",
+                        help="also time this config's step (e.g. configs/lartpc/semseg-sparseunet.py), rounds "
+                             "interleaved with the main config's so both see the same machine load")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--events", type=int, default=8, help="events per batch (the config's batch size: 8)")
@@ -204,42 +253,22 @@ def main() -> None:
     global DEVICE
     device = DEVICE = torch.device(args.device)
 
-    cfg = Config.fromfile(args.config)
-    for item in args.backbone:
-        key, _, value = item.partition("=")
-        cfg.model["backbone"][key] = ast.literal_eval(value)
-    dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
-    batches = [to_device(point_collate_fn([dataset[b * args.events + i] for i in range(args.events)]), device)
-               for b in range(args.batches)]
-    torch.manual_seed(0)
-    model = MODELS.build(cfg.model).to(device).train()
-    params = sum(p.numel() for p in model.parameters())
-    points = [int(b["offset"][-1]) for b in batches]
-    print(f"config {Path(args.config).name}: {cfg.model['backbone']['type']}, {params:,} parameters; "
-          f"{args.batches} batches of {args.events} events, {statistics.mean(points):,.0f} points per batch; "
-          f"{args.threads} thread(s), {device}")
-
-    def step(batch):
-        out = model(dict(batch))
-        out["loss"].backward()
-        model.zero_grad(set_to_none=True)
-
-    for batch in batches:  # untimed warm-up
-        step(batch)
-    times, walls = [], []
+    main_run = Stepper(args.config, args, device, args.backbone)
+    runs = [main_run] + ([Stepper(args.compare, args, device)] if args.compare else [])
+    print(f"{args.batches} batches of {args.events} events, {args.threads} thread(s), {device}")
+    for run in runs:
+        for batch in run.batches:  # untimed warm-up
+            run.step(batch)
     for _ in range(args.rounds):
-        for batch in batches:
-            sync(device)
-            t, wall = clock(), time.perf_counter()
-            step(batch)
-            sync(device)
-            times.append(clock() - t)
-            walls.append(time.perf_counter() - wall)
-    per_step = statistics.median(times)
-    print(f"forward+backward: {per_step * 1e3:.0f} ms/step (median of {len(times)}), "
-          f"{statistics.mean(points) / per_step:,.0f} points/s; wall {statistics.median(walls) * 1e3:.0f} ms/step")
+        for run in runs:
+            run.timed_round(device)
+    per_step = main_run.report()
+    if args.compare:
+        other = runs[1].report()
+        print(f"step ratio {main_run.name} / {runs[1].name} = {per_step / other:.2f} (CPU time)")
 
     # Breakdown on the first batch.
+    model, batches, points, times = main_run.model, main_run.batches, main_run.points, main_run.times
     rec = Recorder(device)
     rec.install()
     rec.recording = True

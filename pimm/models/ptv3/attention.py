@@ -135,7 +135,7 @@ class SerializedAttention(nn.Module):
         counts = torch.diff(point["offset"], prepend=point["offset"].new_zeros(1))
         k = self._patch_size(counts)
         gather, scatter, key_mask = self.layout(point, k)
-        qkv = self.qkv(feat).index_select(0, gather).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(feat.index_select(0, gather)).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
         q, key, v = qkv.unbind(0)  # (P, H, K, D)
         dtype = q.dtype
         if self.upcast_attention or self.upcast_softmax:  # SDPA's softmax runs in its input dtype

@@ -156,11 +156,14 @@ class Block(PointModule):
 
     def forward(self, point):
         feat = point["feat"]
+        # Set by PT-v3m1's un-pooling: what upstream's convolution sees there (see SerializedUnpooling).
+        conv_input = point.pop("cpe_input", None)
         if self.cpe is not None:
             # Full precision, as upstream: the convolution's sums are long.
             with torch.autocast(device_type=feat.device.type, enabled=False):
                 feat32 = feat.float()
-                feat = (feat32 + self.cpe.features(point, feat32)).to(feat.dtype)
+                source = feat32 if conv_input is None else conv_input.float()
+                feat = (feat32 + self.cpe.features(point, source)).to(feat.dtype)
         ls1 = getattr(self, "ls1", None)
         ls2 = getattr(self, "ls2", None)
         x = self.norm1.features(point, feat) if self.pre_norm else feat

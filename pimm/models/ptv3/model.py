@@ -106,8 +106,10 @@ class _PTv3Base(PointModule):
             dp = enc_dp[sum(enc_depths[:s]):sum(enc_depths[:s + 1])]
             stage = PointSequential()
             if s > 0:
+                # Upstream builds its poolings without the model's shuffle_orders: they always permute in
+                # training (their default), whatever the model's flag says.
                 stage.add(pool_cls(enc_channels[s - 1], enc_channels[s], stride=stride[s - 1], norm_layer=ln,
-                                   act_layer=act, shuffle_orders=self.shuffle_orders), name="down")
+                                   act_layer=act), name="down")
             for i in range(enc_depths[s]):
                 stage.add(Block(enc_channels[s], enc_num_head[s], enc_patch_size[s], drop_path=dp[i],
                                 order_index=i % len(self.order), enable_cpe=enable_cpe_at(i) and self.enable_cpe,
@@ -179,7 +181,8 @@ class PointTransformerV3(_PTv3Base):
         self._build(enc_depths, enc_channels, enc_num_head, enc_patch_size, dec_depths, dec_channels, dec_num_head,
                     dec_patch_size, stride, drop_path, not self.cls_mode, SerializedPooling, SerializedUnpooling,
                     block_kwargs)
-        self.out_channels = enc_channels[-1] if self.cls_mode else (list(dec_channels) + [enc_channels[-1]])[0]
+        # cls_mode, like PT-v3m2's enc_mode: DefaultSegmentorV2 concatenates every level's features back up.
+        self.out_channels = sum(enc_channels) if self.cls_mode else (list(dec_channels) + [enc_channels[-1]])[0]
 
     def forward(self, data_dict) -> Point:
         point = self._point(data_dict)

@@ -120,6 +120,8 @@ class GridPooling(_Pooling):
 
 
 class _Unpooling(PointModule):
+    cpe_sees_skip_only = False
+
     def __init__(self, in_channels, skip_channels, out_channels, norm_layer=None, act_layer=None, traceable=False):
         super().__init__()
         self.proj = PointSequential(nn.Linear(in_channels, out_channels))
@@ -136,14 +138,25 @@ class _Unpooling(PointModule):
         parent = point.pop("pooling_parent")
         inverse = point.pop("pooling_inverse")
         up = self.proj.features(point, point["feat"])
-        parent["feat"] = self.proj_skip.features(parent, parent["feat"]) + up.index_select(0, inverse)
+        skip = self.proj_skip.features(parent, parent["feat"])
+        parent["feat"] = skip + up.index_select(0, inverse)
+        if self.cpe_sees_skip_only:
+            parent["cpe_input"] = skip
         if self.traceable:
             parent["unpooling_parent"] = point
         return parent
 
 
 class SerializedUnpooling(_Unpooling):
-    """PT-v3m1 un-pooling: ``proj_skip(skip) + proj(parent)[child's parent]``."""
+    """PT-v3m1 un-pooling: ``proj_skip(skip) + proj(parent)[child's parent]``.
+
+    Upstream's m1 leaves spconv's copy of the features at ``proj_skip(skip)``
+    (it does not refresh it after the sum), so the next block's CPE
+    convolves the skip branch alone while its residual adds to the sum;
+    ``cpe_input`` carries that to the block (PT-v3m2's un-pooling refreshes
+    the copy, so there the CPE sees the sum)."""
+
+    cpe_sees_skip_only = True
 
 
 class GridUnpooling(_Unpooling):

@@ -41,11 +41,17 @@ def depth_for(grid: torch.Tensor) -> int:
     return max(int(grid.max()) + 1 if grid.numel() else 1, 1).bit_length()
 
 
+# Magic-number bit spreading ("split by 3"): bit i of a 21-bit value lands on bit 3 i in five
+# shift-or-mask steps, instead of one step per bit.
+_SPREAD_STEPS = ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
+                 (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249))
+
+
 def _spread3(v: torch.Tensor, depth: int) -> torch.Tensor:
-    """Bit ``i`` of ``v`` moved to bit ``3 i``."""
-    out = torch.zeros_like(v)
-    for i in range(depth):
-        out |= ((v >> i) & 1) << (3 * i)
+    """Bit ``i`` of ``v`` (``i < depth <= 21``) moved to bit ``3 i``."""
+    out = v & ((1 << depth) - 1)
+    for shift, mask in _SPREAD_STEPS:
+        out = (out | (out << shift)) & mask
     return out
 
 

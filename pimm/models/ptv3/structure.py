@@ -18,7 +18,7 @@ import torch
 
 from pimm.utils.errors import ConfigError
 
-from ..point_ops import batch2offset, event_grid_coord, event_min, offset2batch, scatter_mean, voxelize
+from ..point_ops import batch2offset, offset2batch, scatter_mean, voxelize
 from ..sparse_maps import KernelMap, submanifold_kernel_map
 from .serialization import serialize
 
@@ -48,18 +48,22 @@ class Point(dict):
         self[name] = value
 
     def ensure_grid_coord(self) -> torch.Tensor:
-        """Non-negative integer voxel coordinates, per event from its own minimum."""
+        """Non-negative integer voxel coordinates. Without ``grid_coord``:
+        ``trunc((coord - batch minimum) / grid_size)``, upstream's rule (the
+        origin is the whole batch's minimum, not each event's); a
+        ``grid_coord`` with negative entries is moved by the batch's minimum."""
         if "grid_coord" not in self:
             if "coord" not in self or "grid_size" not in self:
                 raise ConfigError("PT-v3 needs grid_coord in the batch (add GridSample(..., return_grid_coord=True) "
                                   "to the transform) or coord and grid_size")
             size = self["grid_size"]
             size = float(size.flatten()[0]) if isinstance(size, torch.Tensor) else float(size)
-            self["grid_coord"] = event_grid_coord(self["coord"], self["batch"], size)
+            coord = self["coord"]
+            self["grid_coord"] = torch.div(coord - coord.min(0).values, size, rounding_mode="trunc").long()
         else:
             grid = self["grid_coord"].long()
             if grid.numel() and int(grid.min()) < 0:
-                grid = grid - event_min(grid, self["batch"])
+                grid = grid - grid.min(0).values
             self["grid_coord"] = grid
         return self["grid_coord"]
 
