@@ -161,7 +161,7 @@ CASES = [
     Case("missing_model", ("no `model`",), options=("model=None",)),
     Case("missing_optimizer", ("no `optimizer`",), options=("optimizer=None",)),
     Case("missing_train_data", ("data.train",), options=("data.train=None",)),
-    Case("weight_is_a_directory", ("weight=", "no such file"), options=("weight=.",)),
+    Case("weight_is_a_directory", ("weight=", "is a directory, not a weight file"), options=("weight=.",)),
     Case("save_path_is_a_file", ("save_path=", "is a file"), setup=_a_file_named_save),
     Case("save_path_cannot_be_created", ("save",), options=("save_path=save/sub",), setup=_a_file_named_save),
     Case("config_calls_sys_exit", ("exits_cfg.py:3", "SystemExit"), config=_config_calling_exit),

@@ -24,11 +24,12 @@ from typing import Any, Callable
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
+from pimm.utils.domains import Signal, show
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
-           "render_default_runtime", "check_required", "apply_process_settings"]
+           "render_default_runtime", "check_required", "apply_process_settings", "check_runtime_domains"]
 
 DEFAULT_HOOKS = [
     dict(type="CheckpointLoader"),
@@ -104,6 +105,25 @@ def _path(allow_none: bool = False, must_exist: bool = False):
     return check
 
 
+def _weight(key, value):
+    """A ``.pth`` weight file or None; a folder is named for what it is, with the spelling that takes it."""
+    value = _path(allow_none=True)(key, value)
+    if value is None or Path(value).is_file():
+        return value
+    folder = Path(value)
+    if (folder / "COMMITTED").is_file():
+        raise ConfigError(f"{key}={str(value)!r} is a checkpoint folder, not a weight file: continue training from it "
+                          f"with resume={str(value)!r}, or warm-start from its weights with `python "
+                          f"tools/convert_checkpoint.py {value} model.pth` and {key}=model.pth")
+    for name in ("model_best.pth", "model_last.pth"):
+        if (folder / "model" / name).is_file():
+            raise ConfigError(f"{key}={str(value)!r} is a run directory, not a weight file: give "
+                              f"{key}={str(folder / 'model' / name)!r}")
+    what = "is a directory, not a weight file" if folder.is_dir() else "names no such file"
+    raise ConfigError(f"{key}={str(value)!r} {what}; give the path of a .pth file (e.g. "
+                      "<save_path>/model/model_best.pth) or None")
+
+
 def _resume(key, value):
     if value is True or value is False or value == "allow_fresh":
         return value
@@ -128,8 +148,10 @@ def _signals(key, value):
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{key}={value!r} is invalid: it takes a list of signal names like ['SIGTERM', 'SIGUSR2']")
     for name in value:
-        if not name.startswith("SIG") or not hasattr(signal, name):
-            raise ConfigError(f"{key}: unknown signal {name!r} (use names like 'SIGTERM', 'SIGUSR2')")
+        if not Signal().accepts(name):
+            unknown = not (name.startswith("SIG") and hasattr(signal, name))
+            raise ConfigError(f"{key}: {'unknown signal' if unknown else 'signal'} {name!r} "
+                              f"{'' if unknown else 'cannot be caught; '}it takes {Signal.what}")
     return list(value)
 
 
@@ -164,8 +186,9 @@ def _key_map(key, value):
 
 
 def _hooks(key, value):
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"hooks must be a list of dict(type=...), got {type(value).__name__}")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(h, dict) and "type" in h for h in value):
+        raise ConfigError(f"{key}={show(value)} is invalid: it takes a list of dict(type=...) (e.g. "
+                          f"{key}=[dict(type='CheckpointSaver')]; [] for no hooks; +{key}=[dict(...)] appends)")
     return value
 
 
@@ -228,7 +251,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
                "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
     RuntimeKey("scheduler_interval", 1, _int(1),
                "optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)"),
-    RuntimeKey("weight", None, _path(allow_none=True, must_exist=True), "warm-start weights (a .pth file)"),
+    RuntimeKey("weight", None, _weight, "warm-start weights (a .pth file)"),
     RuntimeKey("weight_key_map", None, _key_map,
                "warm start: [old_prefix, new_prefix] pairs renaming the weight file's keys"),
     RuntimeKey("evaluate", True, _bool, "run the evaluator hooks"),
@@ -291,6 +314,13 @@ def apply_runtime_defaults(cfg) -> None:
     for key, value in RUNTIME_DEFAULTS.items():
         if key not in cfg:
             cfg[key] = copy.deepcopy(value)
+
+
+def check_runtime_domains(cfg) -> None:
+    """Each runtime key's own domain (its ``check``), before any hook is built;
+    :func:`validate_runtime` adds the relations between keys once hooks had their say."""
+    for key in RUNTIME_KEYS:
+        cfg[key.name] = key.check(key.name, cfg.get(key.name))
 
 
 def validate_runtime(cfg, world_size: int) -> None:

@@ -20,6 +20,7 @@ import torch
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import Key, Real, Steps
 
 __all__ = ["angle_difference", "count_matches", "match_proposals", "f1_scores", "ProposalEvaluator"]
 
@@ -101,6 +102,7 @@ class ProposalEvaluator(EvaluatorBase):
 
     metric_name = "f1"
 
+    domains = dict(angle_tolerance_deg=Real(0, 180, lo_open=True), every_n_steps=Steps, prefix=Key)
     def __init__(self, angle_tolerance_deg: float = 10.0, every_n_steps: int | None = None, prefix: str = "val"):
         super().__init__(every_n_steps=every_n_steps, prefix=prefix)
         if isinstance(angle_tolerance_deg, bool) or not isinstance(angle_tolerance_deg, (int, float)) \

@@ -95,6 +95,7 @@ class Registry:
         self.name = name
         self._modules: dict[str, Callable] = {}
         self._hints: dict[str, str] = {}
+        self._domains: dict[int, tuple[dict, tuple]] = {}  # id(module) -> (domains, rules), see register_module
         _LIVE.append(weakref.ref(self))
 
     def add_hint(self, name: str, hint: str) -> None:
@@ -137,10 +138,14 @@ class Registry:
         name: str | Iterable[str] | None = None,
         force: bool = False,
         module: Callable | None = None,
+        domains: dict | None = None,
+        rules: tuple = (),
     ):
         """Register ``module`` under its own name, or ``name`` (a string or a list of
         aliases). Use as ``@REG.register_module()``, ``@REG.register_module("Alias")``
-        or ``REG.register_module(module=cls)``."""
+        or ``REG.register_module(module=cls)``. ``domains``/``rules``: the
+        argument domains (:mod:`pimm.utils.domains`) of a class pimm does not
+        own or of a function, which cannot carry a ``domains`` attribute."""
         if callable(name) and module is None and not isinstance(name, str):
             # Bare ``@REG.register_module`` without parentheses.
             module, name = name, None
@@ -152,15 +157,23 @@ class Registry:
                 return [name]
             return list(name)
 
-        if module is not None:
-            self._add(module, names_for(module), force)
-            return module
-
-        def decorator(obj: Callable) -> Callable:
+        def add(obj: Callable) -> Callable:
             self._add(obj, names_for(obj), force)
+            if domains is not None or rules:
+                self._domains[id(obj)] = (dict(domains or {}), tuple(rules))
             return obj
 
+        if module is not None:
+            return add(module)
+
+        def decorator(obj: Callable) -> Callable:
+            return add(obj)
+
         return decorator
+
+    def declared_domains(self, module: Callable) -> tuple[dict, tuple]:
+        """The domains and rules given to ``register_module`` for ``module`` (empty if none)."""
+        return self._domains.get(id(module), ({}, ()))
 
     def get(self, name: str) -> Callable:
         try:

@@ -39,6 +39,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
 from pimm.engines.optim_parts import all_optimizers
+from pimm.utils.domains import Choice, Count, Key, NonNeg
 
 __all__ = ["EarlyStopping"]
 
@@ -59,6 +60,7 @@ class EarlyStopping(HookBase):
     # After EMAHook (ABOVE_NORMAL), which declares the directions of val_ema/*.
     priority = "BELOW_NORMAL"
 
+    domains = dict(monitor=Key | None, mode=Choice('min', 'max') | None, patience=Count, min_delta=NonNeg)
     def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 5,
                  min_delta: float = 0.0, stop_on_zero_lr: bool = False):
         monitors = list(monitor) if isinstance(monitor, (list, tuple)) else [monitor] if monitor is not None else []

@@ -47,6 +47,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import CheckpointError, ConfigError
+from pimm.utils.domains import Key, PosInt, Real
 
 __all__ = ["EMAHook", "ema_decay"]
 
@@ -85,6 +86,7 @@ class EMAHook(HookBase):
     # at the same step and before CheckpointSaver (LOW) saves it.
     priority = "ABOVE_NORMAL"
 
+    domains = dict(decay=Real(0, 1, hi_open=True), update_every=PosInt, name=Key)
     def __init__(self, decay: float = 0.999, warmup: bool = True, update_every: int = 1, evaluate: bool = True,
                  export: bool = True, name: str = "ema"):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:

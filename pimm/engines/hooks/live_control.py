@@ -78,6 +78,7 @@ from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import append_jsonl, read_jsonl
 from pimm.engines.optim_parts import single_optimizer_problem
+from pimm.utils.domains import FilePath, PosInt
 
 __all__ = ["LiveControl", "parse_control", "read_control_file", "AUDIT_FILE"]
 
@@ -96,6 +97,7 @@ class LiveControl(HookBase):
     # step s holds the change.
     priority = "BELOW_NORMAL"
 
+    domains = dict(poll_every=PosInt, file=FilePath)
     def __init__(self, poll_every: int = 10, file: str = "control.json"):
         if not _is_int(poll_every) or poll_every < 1:
             raise ConfigError(f"LiveControl: poll_every={poll_every!r} must be a positive integer")

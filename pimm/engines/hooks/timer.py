@@ -7,6 +7,7 @@ import time
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
+from pimm.utils.domains import Count
 
 __all__ = ["IterationTimer"]
 
@@ -22,6 +23,7 @@ class IterationTimer(HookBase):
     # Before the writers (NORMAL) so a log line at this step sees this step's timing.
     priority = "HIGH"
 
+    domains = dict(warmup_iter=Count)
     def __init__(self, warmup_iter: int = 1):
         if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int) or warmup_iter < 0:
             raise ValueError(f"warmup_iter must be an integer >= 0, got {warmup_iter!r}")
