@@ -59,7 +59,8 @@ class Collect:
     functions derive the batch ``offset`` from the points themselves, so it is
     only stored when ``offset_keys_dict`` asks for it -- batches are the same."""
 
-    domains = dict(keys=Key | Keys, offset_keys_dict=DictOf(Key, Key) | None)
+    domains = dict(keys=Key | Keys, offset_keys_dict=DictOf(Key, Key) | None, feat_keys=Key | Keys)
+
     def __init__(self, keys: Sequence[str] | str, offset_keys_dict: dict | None = None, **kwargs):
         self.keys = _keys(keys)
         self.offset_keys = dict(offset_keys_dict or {})

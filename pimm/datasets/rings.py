@@ -154,6 +154,7 @@ class CherenkovRingDataset(torch.utils.data.Dataset):
                    min_towall=NonNeg, max_abs_cos_zenith=Real(0, 1, lo_open=True), refractive_index=Real(1, 10, lo_open=True),
                    pe_per_cm=Positive, dedx=Positive, shower_spread=NonNeg, attenuation_length=Length, noise_rate=Prob,
                    gain_spread=Real(0, 10), time_jitter=NonNeg, time_scale=Positive)
+
     def __init__(
         self,
         num_events: int,

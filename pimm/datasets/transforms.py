@@ -106,6 +106,7 @@ class Compose:
     from ``TRANSFORMS``) or callables; ``None``/empty means identity."""
 
     domains = dict(transforms=Transforms | Registered('transform'))
+
     def __init__(self, transforms: Sequence[dict | Callable] | dict | None = None):
         if isinstance(transforms, dict) or callable(transforms):
             transforms = [transforms]  # a single transform given without a list
@@ -130,6 +131,7 @@ class Copy:
     label to train on. Destinations are independent copies."""
 
     domains = dict(keys_dict=DictOf(Key, Key) | None)
+
     def __init__(self, keys_dict: dict | None = None):
         self.keys_dict = dict(coord="origin_coord", segment="origin_segment") if keys_dict is None else dict(keys_dict)
 
@@ -153,6 +155,7 @@ class Update:
     keep aligned (see the module doc)."""
 
     domains = dict(keys_dict=DictOf(Key) | None)
+
     def __init__(self, keys_dict: dict | None = None):
         self.keys_dict = dict(keys_dict or {})
 
@@ -176,6 +179,7 @@ class NormalizeCoord:
 
     domains = dict(center=Choice('mean', 'box') | Seq(Real(-MAX_REAL), length=3) | None, scale=Positive | None,
                    mode=Choice('sphere', 'box'))
+
     def __init__(self, center: str | Sequence[float] | None = None, scale: float | None = None,
                  mode: str = "sphere"):
         if mode not in ("sphere", "box"):
@@ -217,6 +221,7 @@ class RandomRotate:
 
     domains = dict(angle=Pair(Real(-360, 360)) | None, center=Seq(Real(-MAX_REAL), length=3) | None,
                    axis=Choice('x', 'y', 'z'), p=Prob)
+
     def __init__(self, angle: Sequence[float] | None = None, center: Sequence[float] | None = None,
                  axis: str = "z", always_apply: bool = False, p: float = 0.5):
         if isinstance(center, bool):
@@ -252,6 +257,7 @@ class RandomFlip:
     with probability ``p``, negate that column of ``coord`` (and ``normal``)."""
 
     domains = dict(p=Prob, axes=Choice('x', 'y', 'z') | Seq(Choice('x', 'y', 'z')))
+
     def __init__(self, p: float = 0.5, axes: Sequence[str] | str = ("x", "y")):
         self.p, self.axes = float(p), [_axis(a) for a in _keys(axes)]
 
@@ -273,6 +279,7 @@ class RandomJitter:
     +-``clip``, to each entry of ``keys`` (default ``coord``)."""
 
     domains = dict(sigma=NonNeg, clip=Positive, keys=Key | Keys, p=Prob)
+
     def __init__(self, sigma: float = 0.01, clip: float = 0.05, keys: Sequence[str] | str = ("coord",),
                  p: float = 1.0):
         if sigma < 0 or clip <= 0:
@@ -296,6 +303,7 @@ class RandomScale:
     ``[0.95, 1.05]``), one per axis when ``anisotropic``, about the origin."""
 
     domains = dict(scale=Pair(Positive) | None)
+
     def __init__(self, scale: Sequence[float] | None = None, anisotropic: bool = False):
         self.scale, self.anisotropic = _range(scale, (0.95, 1.05), "RandomScale", "scale"), anisotropic
 
@@ -333,6 +341,7 @@ class LogTransform:
 
     domains = dict(min_val=Real(-MAX_REAL) | None, max_val=Real(-MAX_REAL) | None, keys=Key | Keys, key=Key | None,
                    scale=Positive | None, out_key=Key | None)
+
     def __init__(self, min_val: float | None = None, max_val: float | None = None, log: bool = True,
                  keys: Sequence[str] | str = ("energy",), clip: bool = False,
                  key: str | None = None, scale: float | None = None, out_key: str | None = None):

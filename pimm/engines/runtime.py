@@ -24,7 +24,7 @@ from typing import Any, Callable
 from pimm.engines.compile import DEFAULT_COMPILE, check_compile
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
-from pimm.utils.domains import Signal, show
+from pimm.utils.domains import MAX_COUNT, Signal, show
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
 
@@ -51,13 +51,15 @@ def _bool(key, value):
     return value
 
 
-def _int(low: int, allow_none: bool = False):
+def _int(low: int, allow_none: bool = False, high: int = MAX_COUNT):
     def check(key, value):
         if value is None and allow_none:
             return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            what = {0: "an integer >= 0", 1: "a positive integer"}.get(low, f"an integer >= {low}")
-            raise ConfigError(f"{key}={value!r} is invalid: it takes {what}{' or None' if allow_none else ''}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            what = f"an integer in [{low}, {high}]" if high != MAX_COUNT else {
+                0: "an integer >= 0", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+            cap = f" (at most {high:.0e})" if high == MAX_COUNT and isinstance(value, int) and value > high else ""
+            raise ConfigError(f"{key}={value!r} is invalid: it takes {what}{' or None' if allow_none else ''}{cap}")
         return value
     return check
 
@@ -141,7 +143,7 @@ def _resume(key, value):
 def _seed(key, value):
     if value is None:
         return value
-    return _int(0)(key, value)
+    return _int(0, high=2**32 - 1)(key, value)  # numpy's seeds are 32-bit
 
 
 def _signals(key, value):
@@ -243,7 +245,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("epoch", 1, _int(1), "absolute horizon: raising it and resuming extends a finished run"),
     RuntimeKey("batch_size", 16, _int(1), "global, split evenly across processes"),
     RuntimeKey("batch_size_val", None, _int(1, allow_none=True), "global; None = batch_size"),
-    RuntimeKey("num_worker", 0, _int(0), "global data-loading workers, split across processes"),
+    RuntimeKey("num_worker", 0, _int(0, high=1024), "global data-loading workers, split across processes"),
     RuntimeKey("resume", False, _resume,
                "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; "
                "a checkpoint folder's path: continue from that one"),

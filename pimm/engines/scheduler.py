@@ -182,6 +182,7 @@ class CosineWarmupLR(_ClosedFormLR):
 
     domains = dict(warmup_steps=Count | None, warmup_ratio=Real(0, 1, hi_open=True) | None, warmup_start_factor=Real(0, 1, lo_open=True),
                    min_lr_ratio=Prob | None, eta_min=LR | None)
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -229,6 +230,7 @@ class PolyLR(_ClosedFormLR):
     """``lr × (1 - step / total_steps) ** power`` (held at the end value after)."""
 
     domains = dict(power=Real(0, 100, lo_open=True))
+
     def __init__(self, optimizer: Optimizer, total_steps: int, power: float = 0.9):
         self.power = _check_number("power", power, 0.0)
         super().__init__(optimizer, total_steps)
@@ -254,6 +256,7 @@ class MultiStepLR(_ClosedFormLR):
     Fractions are rounded to the nearest step, at least 1."""
 
     domains = dict(milestones=Seq(Positive, min_len=1), gamma=Real(0, 1, lo_open=True))
+
     def __init__(self, optimizer: Optimizer, total_steps: int, milestones: Sequence[float | int], gamma: float = 0.1):
         total = _check_total_steps(total_steps)
         if isinstance(milestones, (str, bytes)) or not isinstance(milestones, Sequence) or not milestones:
@@ -301,6 +304,7 @@ class OneCycleLR(_GroupStateMixin, torch_sched.OneCycleLR):
     domains = dict(max_lr=LR | Seq(LR) | None, pct_start=Real(0, 1, lo_open=True, hi_open=True), anneal_strategy=Choice('cos', 'linear'),
                    base_momentum=Prob, max_momentum=Prob, div_factor=Real(1, MAX_REAL), final_div_factor=Real(1, MAX_REAL))
     domain_rules = (Rule(lambda a: a.base_momentum <= a.max_momentum, 'base_momentum', 'a value <= max_momentum'),)
+
     def __init__(
         self,
         optimizer: Optimizer,

@@ -103,6 +103,7 @@ class ProposalEvaluator(EvaluatorBase):
     metric_name = "f1"
 
     domains = dict(angle_tolerance_deg=Real(0, 180, lo_open=True), every_n_steps=Steps, prefix=Key)
+
     def __init__(self, angle_tolerance_deg: float = 10.0, every_n_steps: int | None = None, prefix: str = "val"):
         super().__init__(every_n_steps=every_n_steps, prefix=prefix)
         if isinstance(angle_tolerance_deg, bool) or not isinstance(angle_tolerance_deg, (int, float)) \

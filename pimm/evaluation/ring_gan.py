@@ -67,6 +67,7 @@ class RingGANEvaluator(EvaluatorBase):
     greater_is_better = False
 
     domains = dict(image_key=Key, hit_threshold=Real(0, MAX_REAL), every_n_steps=Steps)
+
     def __init__(self, image_key: str = "img", hit_threshold: float = 0.25, every_n_steps: int | None = None):
         super().__init__(every_n_steps=every_n_steps, log_images=0)
         if isinstance(hit_threshold, bool) or not isinstance(hit_threshold, (int, float)) or hit_threshold < 0:

@@ -121,6 +121,7 @@ class PointGroupAffinity(nn.Module):
                    vote_bandwidth=Length, affinity_weight=Weight, pairs_per_point=Int(1, 1024),
                    agree_radius=Length | Seq(Length, min_len=1), fragment_affinity=Prob, merge_affinity=Prob,
                    max_linkage_points=Int(1, 10**7), min_points=PosInt, stuff_classes=Seq(Int(0, MAX_SIZE)))
+
     def __init__(
         self,
         backbone: dict,

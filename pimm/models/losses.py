@@ -43,6 +43,7 @@ class CrossEntropyLoss(nn.Module):
 
     domains = dict(weight=Seq(NonNeg, min_len=1) | None, ignore_index=Int(-1, MAX_SIZE), label_smoothing=Real(0, 1, hi_open=True),
                    loss_weight=Weight)
+
     def __init__(self, weight: Sequence[float] | None = None, ignore_index: int = -1,
                  label_smoothing: float = 0.0, loss_weight: float = 1.0):
         super().__init__()
@@ -82,6 +83,7 @@ class LovaszLoss(nn.Module):
     """
 
     domains = dict(classes=Choice('present', 'all'), ignore_index=Int(-1, MAX_SIZE), loss_weight=Weight)
+
     def __init__(self, classes: str = "present", ignore_index: int = -1, loss_weight: float = 1.0):
         super().__init__()
         if classes not in ("present", "all"):
@@ -114,6 +116,7 @@ class DiceLoss(nn.Module):
     over the classes present in the target (or all with ``classes="all"``)."""
 
     domains = dict(smooth=Real(0, MAX_REAL), classes=Choice('present', 'all'), ignore_index=Int(-1, MAX_SIZE), loss_weight=Weight)
+
     def __init__(self, smooth: float = 1.0, classes: str = "present", ignore_index: int = -1,
                  loss_weight: float = 1.0):
         super().__init__()

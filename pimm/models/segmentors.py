@@ -51,6 +51,7 @@ class DefaultSegmentor(nn.Module):
     """
 
     domains = dict(backbone=Registered('model'), num_classes=Int(1, MAX_SIZE), criteria=Seq(Registered('loss')) | None)
+
     def __init__(self, backbone: dict, num_classes: int, criteria: Sequence[dict] | None = None):
         super().__init__()
         if int(num_classes) < 1:

@@ -81,6 +81,7 @@ class SparseUNet(nn.Module):
     domains = dict(in_channels=Size, grid_size=Length, channels=Seq(Size, min_len=2), enc_blocks=Seq(Int(0, 64)),
                    dec_blocks=Seq(Int(0, 64)), kernel_size=Int(1, 15))
     domain_rules = (same_length('channels', 'enc_blocks', 'dec_blocks', offset=dict(dec_blocks=-1)),)
+
     def __init__(
         self,
         in_channels: int,

@@ -13,12 +13,14 @@ and before any hook, model or run directory is made.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Iterator
 
-from .config_slots import BUILDER_ARGS, BUILDER_KEYS, _classes
-from .domains import Bool, Domain, Int, OneOf, Rule, Text, as_domain
-from .registry import registries
+from .config_slots import BUILDER_ARGS, _classes, slot_registry
+from .domains import Bool, Domain, Int, OneOf, Rule, Text, as_domain, show
+from .errors import ConfigError
+from .registry import generation, registries
 
 __all__ = ["domains_of", "undeclared", "check_config_domains", "BUILDER_KEY_DOMAINS"]
 
@@ -57,6 +59,19 @@ def _parameters(cls: Callable) -> dict[str, inspect.Parameter]:
 
 
 def domains_of(cls: Callable) -> tuple[dict[str, Domain], tuple[Rule, ...]]:
+    """See :func:`_domains_of` (cached until the next registration)."""
+    try:
+        return _domains_cached(cls, generation())
+    except TypeError:  # an unhashable callable
+        return _domains_of(cls)
+
+
+@functools.lru_cache(maxsize=1024)
+def _domains_cached(cls: Callable, _generation: int) -> tuple[dict[str, Domain], tuple[Rule, ...]]:
+    return _domains_of(cls)
+
+
+def _domains_of(cls: Callable) -> tuple[dict[str, Domain], tuple[Rule, ...]]:
     """The declared domains and rules of ``cls``: its ``domains``/``domain_rules``
     along the MRO (a subclass declares only its own arguments), those given to
     ``register_module(domains=...)``, and a bool for every argument whose
@@ -124,6 +139,10 @@ def _check_arguments(cls: Callable, node: dict, shown: str, registry: str | None
 
 def _walk(node: Any, path: str, shown: str) -> None:
     if isinstance(node, dict) and "type" in node:
+        if not isinstance(node["type"], str) and not callable(node["type"]):
+            what = slot_registry(path) or "registered type"
+            raise ConfigError(f"{shown}.type={show(node['type'])} is invalid: it takes the name of a {what} "
+                              "(or the class itself)")
         found = _classes(node, path)
         if found:
             registry, cls = found[0]

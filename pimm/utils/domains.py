@@ -50,7 +50,7 @@ from .errors import ConfigError
 
 __all__ = ["Domain", "Number", "Real", "Int", "Choice", "Text", "FilePath", "Seq", "Pair", "DictOf", "Registered",
            "Anything", "Instance", "OneOf", "Signal", "Rule", "same_length", "Bool", "Null", "Prob", "Positive",
-           "NonNeg", "PosInt", "Count", "Size", "LR", "Weight", "Length", "Steps", "Key", "Keys", "CollateFn",
+           "NonNeg", "PosInt", "Count", "Size", "LR", "Weight", "Length", "Steps", "Key", "Keys", "Names", "CollateFn",
            "Transforms", "MAX_SIZE", "MAX_COUNT", "MAX_REAL", "as_domain", "show"]
 
 # Sanity caps: far above anything a run means, far below what overflows or never ends.
@@ -351,5 +351,6 @@ Length = Real(0, 1e6, lo_open=True)  # a physical size (cm, mm, voxels)
 Steps = PosInt | None  # an interval in steps; None: never
 Key = Text("a key name (a non-empty string)")
 Keys = Seq(Key, what="a list of key names")
+Names = Seq(Key, min_len=1, what="a non-empty list of names")
 CollateFn = Text("a COLLATE_FNS name") | Registered("collate function") | None
 Transforms = Seq(Registered("transform"), what="a list of dict(type=...) naming registered transforms") | None

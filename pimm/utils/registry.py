@@ -17,6 +17,7 @@ parameter is one line naming the nearest real one rather than Python's
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 import weakref
@@ -28,6 +29,12 @@ from .errors import RegistryError, UserError
 __all__ = ["Registry", "build_from_cfg", "registries", "parameters_of", "Parameters"]
 
 _LIVE: list[weakref.ref] = []  # every Registry ever made, in creation order
+_GENERATION = [0]  # bumped by every registration: caches of what registries hold key on it
+
+
+def generation() -> int:
+    """A number that changes whenever anything is registered (for caches)."""
+    return _GENERATION[0]
 
 
 def registries(name: str | None = None) -> list["Registry"]:
@@ -55,6 +62,18 @@ class Parameters:
 
 
 def _signature_parameters(target: Callable) -> Parameters:
+    try:  # a config is checked often (each --options entry, then whole): signatures are read once
+        return _signature_cached(target)
+    except TypeError:  # an unhashable callable
+        return _read_signature(target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature_cached(target: Callable) -> Parameters:
+    return _read_signature(target)
+
+
+def _read_signature(target: Callable) -> Parameters:
     try:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):  # builtins without a readable signature
@@ -132,6 +151,7 @@ class Registry:
                 )
         for name in names:
             self._modules[name] = module
+        _GENERATION[0] += 1
 
     def register_module(
         self,
@@ -161,6 +181,7 @@ class Registry:
             self._add(obj, names_for(obj), force)
             if domains is not None or rules:
                 self._domains[id(obj)] = (dict(domains or {}), tuple(rules))
+                _GENERATION[0] += 1
             return obj
 
         if module is not None:

@@ -61,6 +61,7 @@ class CheckpointSaver(HookBase):
 
     domains = dict(save_freq=Steps, save_every_seconds=Positive | None, keep_last=PosInt, keep_every=Steps,
                    time_check_every=PosInt, keep=Choice('best', 'last', 'all') | None)
+
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
                  time_check_every: int = 10, async_write: bool = True, keep: str | None = None):
@@ -140,6 +141,7 @@ class CheckpointLoader(HookBase):
 
     domains = dict(key_map=Seq(Seq(Text(empty=True), length=2), what="a list of (old_prefix, new_prefix) pairs"),
                    keywords=Text(empty=True), replacement=Text(empty=True) | None, replacements=DictOf(Text(), Text(empty=True)) | None)
+
     def __init__(self, key_map=(), keywords="", replacement=None, replacements=None, strict=False):
         try:
             self.key_map = [(str(old), str(new)) for old, new in key_map]

@@ -61,6 +61,7 @@ class EarlyStopping(HookBase):
     priority = "BELOW_NORMAL"
 
     domains = dict(monitor=Key | None, mode=Choice('min', 'max') | None, patience=Count, min_delta=NonNeg)
+
     def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 5,
                  min_delta: float = 0.0, stop_on_zero_lr: bool = False):
         monitors = list(monitor) if isinstance(monitor, (list, tuple)) else [monitor] if monitor is not None else []

@@ -86,7 +86,8 @@ class EMAHook(HookBase):
     # at the same step and before CheckpointSaver (LOW) saves it.
     priority = "ABOVE_NORMAL"
 
-    domains = dict(decay=Real(0, 1, hi_open=True), update_every=PosInt, name=Key)
+    domains = dict(decay=Real(0, 1, lo_open=True, hi_open=True), update_every=PosInt, name=Key)
+
     def __init__(self, decay: float = 0.999, warmup: bool = True, update_every: int = 1, evaluate: bool = True,
                  export: bool = True, name: str = "ema"):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:

@@ -98,6 +98,7 @@ class LiveControl(HookBase):
     priority = "BELOW_NORMAL"
 
     domains = dict(poll_every=PosInt, file=FilePath)
+
     def __init__(self, poll_every: int = 10, file: str = "control.json"):
         if not _is_int(poll_every) or poll_every < 1:
             raise ConfigError(f"LiveControl: poll_every={poll_every!r} must be a positive integer")

@@ -77,6 +77,7 @@ class ReduceLROnPlateau(HookBase):
 
     domains = dict(monitor=Key, mode=Choice('min', 'max') | None, factor=Real(0, 1, lo_open=True, hi_open=True), patience=Count,
                    threshold=NonNeg, threshold_mode=Choice('rel', 'abs'), cooldown=Count, min_lr=LR | Seq(LR))
+
     def __init__(self, monitor: str, mode: str | None = None, factor: float = 0.1, patience: int = 10,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0,
                  min_lr: float | list = 0.0):

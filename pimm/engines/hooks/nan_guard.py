@@ -61,6 +61,7 @@ class NaNGuard(HookBase):
     priority = "VERY_LOW"
 
     domains = dict(policy=Choice('skip', 'stop'), max_consecutive_skips=PosInt)
+
     def __init__(self, policy: str = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True):
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")

@@ -89,6 +89,7 @@ class OnDemandValidation(HookBase):
     priority = "BELOW_NORMAL"
 
     domains = dict(signal=Signal(), check_every=PosInt)
+
     def __init__(self, signal: str = "SIGUSR1", check_every: int = 10):
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise ConfigError(f"OnDemandValidation: check_every={check_every!r} must be a positive integer")

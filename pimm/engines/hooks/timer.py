@@ -24,6 +24,7 @@ class IterationTimer(HookBase):
     priority = "HIGH"
 
     domains = dict(warmup_iter=Count)
+
     def __init__(self, warmup_iter: int = 1):
         if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int) or warmup_iter < 0:
             raise ValueError(f"warmup_iter must be an integer >= 0, got {warmup_iter!r}")

@@ -57,6 +57,7 @@ class GANTrainer(DefaultTrainer):
     supports_optimizer_parts = True
 
     domains = dict(order=Keys | None)
+
     def __init__(self, cfg, *args, order=None, find_unused_parameters: bool = True, **kwargs):
         self._order_option = order
         if kwargs.get("oom_backoff") is not None:

@@ -144,6 +144,7 @@ class GRPOTrainer(DefaultTrainer):
 
     domains = dict(policy_updates_per_rollout=PosInt, trajectory_microbatch_size=Count | None, torch_threads=Int(1, 4096) | None,
                    step_per=Choice('update', 'rollout'), reward_warn_after=Count)
+
     def __init__(self, cfg, policy_updates_per_rollout=1, trajectory_microbatch_size=None, sample_in_eval_mode=True,
                  torch_threads=None, step_per="update", reward_warn_after=10, **options):
         self.updates_per_rollout = _positive_int("policy_updates_per_rollout", policy_updates_per_rollout)

@@ -143,6 +143,7 @@ class ClusterRadiusPolicy(PointGroupLite):
 
     domains = dict(radius_scales=Seq(Positive, min_len=1), radius_kinds=Seq(Choice('agree', 'merge'), min_len=1),
                    num_generations=Int(2, 4096), hidden=Size, keep_bias=Real(-100, 100), grpo=DictOf() | None)
+
     def __init__(self, radius_scales: Sequence[float] = (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0),
                  radius_kinds: Sequence[str] = RADIUS_KINDS, num_generations: int = 8, hidden: int = 64,
                  keep_bias: float = 1.0, use_event_features: bool = True, require_weights: bool = True,

@@ -241,6 +241,7 @@ class GRPOObjective:
                    advantage_eps=Real(0, 1))
     domain_rules = (Rule(lambda a: a.epsilon_high is None or a.epsilon_high >= a.epsilon, 'epsilon_high',
                          'a value >= epsilon (the clip range is [1 - epsilon, 1 + epsilon_high])'),)
+
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                  scale_rewards: str = "group", loss_type: str = "dapo", entropy_coef: float = 0.0,
                  advantage_eps: float = 1e-4):

@@ -121,6 +121,7 @@ class TrackProposalPolicy(nn.Module):
     domains = dict(num_direction_bins=Int(1, 4096), num_classes=Int(1, MAX_SIZE), max_proposals=Int(1, 1024),
                    num_generations=Int(2, 4096), angle_tolerance_deg=Real(0, 180, lo_open=True), hidden=Size,
                    dedx_scale=Positive, stop_bias=Real(-100, 100), grpo=DictOf() | None)
+
     def __init__(self, num_direction_bins: int = 24, num_classes: int = 2, max_proposals: int = 4,
                  num_generations: int = 8, angle_tolerance_deg: float = 10.0, hidden: int = 32,
                  dedx_scale: float = 5.0, stop_bias: float = 2.5, grpo: dict | None = None):
