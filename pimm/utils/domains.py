@@ -113,7 +113,9 @@ Bool = Instance(bool, "True or False")
 
 
 def _num(value: float) -> str:
-    return str(value) if isinstance(value, int) and abs(value) < 10**7 else f"{value:g}"
+    if isinstance(value, int) and abs(value) < 10**7:
+        return str(value)
+    return f"{value:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
 
 
 class Number(Domain):

@@ -6,7 +6,6 @@ the way the command line resolves a config (file, ``--options``, then
 from __future__ import annotations
 
 import pickle
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -49,12 +48,19 @@ class Outcome:
     config: str
     option: str
     error: str | None  # the one line, or None when the config resolved
+    original: Any = None  # the config's own value at the key
 
 
 def load(path: Path, save_path: str) -> Config:
     cfg = Config.fromfile(str(path))
     apply_runtime_defaults(cfg)
     cfg.merge_from_options([f"save_path={save_path}"])
+    return cfg
+
+
+def value_at(cfg: Any, key: str) -> Any:
+    for seg in key.split("."):
+        cfg = cfg[int(seg)] if isinstance(cfg, (list, tuple)) else cfg[seg]
     return cfg
 
 
@@ -65,8 +71,8 @@ def resolve(base: Config, option: str) -> Outcome:
         cfg.merge_from_options([option])
         prepare_config(cfg, 1, "train")
     except UserError as err:
-        return Outcome(str(base.filename), option, str(err))
-    return Outcome(str(base.filename), option, None)
+        return Outcome(str(base.filename), option, str(err), value_at(base, option.split("=", 1)[0]))
+    return Outcome(str(base.filename), option, None, value_at(base, option.split("=", 1)[0]))
 
 
 def sweep(save_path: str) -> Iterator[Outcome]:
@@ -76,9 +82,3 @@ def sweep(save_path: str) -> Iterator[Outcome]:
             for value in VALUES:
                 yield resolve(base, f"{key}={value}")
 
-
-def is_nan_text(value: str) -> bool:
-    try:
-        return math.isnan(float(value))
-    except ValueError:
-        return False
