@@ -282,9 +282,9 @@ class LArTPCSynthDataset(PointDataset):
     as they are.
     """
 
-    domains = dict(num_events=PosInt, seed=Count, split=Choice('train', 'val', 'test'), transform=Transforms, voxel_size=Length,
-                   points_per_event=Int(1, 10**7) | Seq(Int(1, 10**7), min_len=1, max_len=2), max_interactions=Int(1, 4096),
-                   detector_size=Length, energy_threshold=NonNeg)
+    domains = dict(num_events=PosInt, seed=Count, split=Choice("train", "val", "test"), transform=Transforms,
+                   voxel_size=Length, points_per_event=Int(1, 10**7) | Seq(Int(1, 10**7), min_len=1, max_len=2),
+                   max_interactions=Int(1, 4096), detector_size=Length, energy_threshold=NonNeg)
 
     def __init__(self, num_events: int = 1000, seed: int = 0, split: str = "train",
                  transform: Sequence[Any] | None = None, voxel_size: float = 1.0,

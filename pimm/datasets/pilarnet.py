@@ -162,9 +162,10 @@ class PILArNetH5Dataset(PointDataset):
     ``split`` and ``revision`` strings.
     """
 
-    domains = dict(data_root=FilePath | None, split=Key | Keys, transform=Transforms, test_cfg=DictOf() | None, loop=PosInt,
-                   ignore_index=Int(-1, MAX_SIZE), energy_threshold=NonNeg, min_points=Count, max_len=Int(-1) | None,
-                   revision=Choice(*REVISIONS) | None, overlay_n_events=PosInt | Seq(PosInt, length=2), overlay_prob=Prob)
+    domains = dict(data_root=FilePath | None, split=Key | Keys, transform=Transforms, test_cfg=DictOf() | None,
+                   loop=PosInt, ignore_index=Int(-1, MAX_SIZE), energy_threshold=NonNeg, min_points=Count,
+                   max_len=Int(-1) | None, revision=Choice(*REVISIONS) | None,
+                   overlay_n_events=PosInt | Seq(PosInt, length=2), overlay_prob=Prob)
 
     def __init__(self, data_root: str | os.PathLike | None = None, split: str | Sequence[str] = "train",
                  transform: Sequence[Any] | None = None, test_mode: bool = False, test_cfg: Any = None,

@@ -105,7 +105,7 @@ class Compose:
     """Apply transforms in order. Items are ``dict(type=...)`` configs (built
     from ``TRANSFORMS``) or callables; ``None``/empty means identity."""
 
-    domains = dict(transforms=Transforms | Registered('transform'))
+    domains = dict(transforms=Transforms | Registered("transform"))
 
     def __init__(self, transforms: Sequence[dict | Callable] | dict | None = None):
         if isinstance(transforms, dict) or callable(transforms):
@@ -177,8 +177,8 @@ class NormalizeCoord:
     [-1, 1]^3); a number divides by that value, which keeps sizes comparable
     across events (PILArNet: ``center=[384]*3``, ``scale=768*sqrt(3)/2``)."""
 
-    domains = dict(center=Choice('mean', 'box') | Seq(Real(-MAX_REAL), length=3) | None, scale=Positive | None,
-                   mode=Choice('sphere', 'box'))
+    domains = dict(center=Choice("mean", "box") | Seq(Real(-MAX_REAL), length=3) | None, scale=Positive | None,
+                   mode=Choice("sphere", "box"))
 
     def __init__(self, center: str | Sequence[float] | None = None, scale: float | None = None,
                  mode: str = "sphere"):
@@ -220,7 +220,7 @@ class RandomRotate:
     (``None``: the bounding-box centre; else a fixed point)."""
 
     domains = dict(angle=Pair(Real(-360, 360)) | None, center=Seq(Real(-MAX_REAL), length=3) | None,
-                   axis=Choice('x', 'y', 'z'), p=Prob)
+                   axis=Choice("x", "y", "z"), p=Prob)
 
     def __init__(self, angle: Sequence[float] | None = None, center: Sequence[float] | None = None,
                  axis: str = "z", always_apply: bool = False, p: float = 0.5):
@@ -256,7 +256,7 @@ class RandomFlip:
     """Mirror through the origin plane: for each of ``axes`` independently,
     with probability ``p``, negate that column of ``coord`` (and ``normal``)."""
 
-    domains = dict(p=Prob, axes=Choice('x', 'y', 'z') | Seq(Choice('x', 'y', 'z')))
+    domains = dict(p=Prob, axes=Choice("x", "y", "z") | Seq(Choice("x", "y", "z")))
 
     def __init__(self, p: float = 0.5, axes: Sequence[str] | str = ("x", "y")):
         self.p, self.axes = float(p), [_axis(a) for a in _keys(axes)]

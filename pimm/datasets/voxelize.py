@@ -82,8 +82,9 @@ class GridSample:
             (float entries averaged over the cell, others from the first point).
     """
 
-    domains = dict(grid_size=Length | Seq(Length, length=3), hash_type=Choice('fnv', 'ravel'), mode=Choice('train', 'test'),
-                   sum_keys=Keys | None, min_keys=Keys | None, reduce=Choice('random', 'first', 'mean'))
+    domains = dict(grid_size=Length | Seq(Length, length=3), hash_type=Choice("fnv", "ravel"),
+                   mode=Choice("train", "test"), sum_keys=Keys | None, min_keys=Keys | None,
+                   reduce=Choice("random", "first", "mean"))
 
     def __init__(self, grid_size: float | Sequence[float] = 0.05, hash_type: str = "fnv", mode: str = "train",
                  return_inverse: bool = False, return_grid_coord: bool = False, return_min_coord: bool = False,

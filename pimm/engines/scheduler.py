@@ -180,8 +180,8 @@ class CosineWarmupLR(_ClosedFormLR):
     cosine down to ``min_lr_ratio × lr`` (or the absolute ``eta_min``) at
     ``total_steps``."""
 
-    domains = dict(warmup_steps=Count | None, warmup_ratio=Real(0, 1, hi_open=True) | None, warmup_start_factor=Real(0, 1, lo_open=True),
-                   min_lr_ratio=Prob | None, eta_min=LR | None)
+    domains = dict(warmup_steps=Count | None, warmup_ratio=Real(0, 1, hi_open=True) | None,
+                   warmup_start_factor=Real(0, 1, lo_open=True), min_lr_ratio=Prob | None, eta_min=LR | None)
 
     def __init__(
         self,
@@ -301,9 +301,10 @@ class OneCycleLR(_GroupStateMixin, torch_sched.OneCycleLR):
     per group. ``total_steps`` comes from the trainer; stepping exactly
     ``total_steps`` times is fine, once more raises ``ValueError``."""
 
-    domains = dict(max_lr=LR | Seq(LR) | None, pct_start=Real(0, 1, lo_open=True, hi_open=True), anneal_strategy=Choice('cos', 'linear'),
-                   base_momentum=Prob, max_momentum=Prob, div_factor=Real(1, MAX_REAL), final_div_factor=Real(1, MAX_REAL))
-    domain_rules = (Rule(lambda a: a.base_momentum <= a.max_momentum, 'base_momentum', 'a value <= max_momentum'),)
+    domains = dict(max_lr=LR | Seq(LR) | None, pct_start=Real(0, 1, lo_open=True, hi_open=True),
+                   anneal_strategy=Choice("cos", "linear"), base_momentum=Prob, max_momentum=Prob,
+                   div_factor=Real(1, MAX_REAL), final_div_factor=Real(1, MAX_REAL))
+    domain_rules = (Rule(lambda a: a.base_momentum <= a.max_momentum, "base_momentum", "a value <= max_momentum"),)
 
     def __init__(
         self,

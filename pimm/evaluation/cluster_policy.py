@@ -49,7 +49,8 @@ class ClusterPolicyEvaluator(EvaluatorBase):
 
     metric_name = "ARI"
 
-    domains = dict(num_classes=Int(1, MAX_SIZE) | None, class_names=Names | None, iou_threshold=Prob, every_n_steps=Steps, prefix=Key)
+    domains = dict(num_classes=Int(1, MAX_SIZE) | None, class_names=Names | None, iou_threshold=Prob,
+                   every_n_steps=Steps, prefix=Key)
 
     def __init__(self, num_classes: int | None = None, class_names: Sequence[str] | None = None,
                  iou_threshold: float = 0.5, every_n_steps: int | None = None, prefix: str = "val"):

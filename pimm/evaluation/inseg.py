@@ -81,8 +81,9 @@ class InsSegEvaluator(EvaluatorBase):
 
     metric_name = "ARI"
 
-    domains = dict(num_classes=Int(1, MAX_SIZE), ignore_index=Int(-1, MAX_SIZE), class_names=Names | None, iou_threshold=Prob,
-                   pred_key=Key, logits_key=Key | None, target_key=Key, instance_key=Key, every_n_steps=Steps)
+    domains = dict(num_classes=Int(1, MAX_SIZE), ignore_index=Int(-1, MAX_SIZE), class_names=Names | None,
+                   iou_threshold=Prob, pred_key=Key, logits_key=Key | None, target_key=Key, instance_key=Key,
+                   every_n_steps=Steps)
 
     def __init__(self, num_classes: int, ignore_index: int = -1, class_names: Sequence[str] | None = None,
                  iou_threshold: float = 0.5, pred_key: str = "instance_pred", logits_key: str | None = "seg_logits",

@@ -87,9 +87,9 @@ class SemSegEvaluator(ClassesFromData, EvaluatorBase):
 
     metric_name = "mIoU"
 
-    domains = dict(num_classes=Int(1, MAX_SIZE) | None, ignore_index=Int(-1, MAX_SIZE) | None, class_names=Names | None,
-                   logits_key=Key, target_key=Key, every_n_steps=Steps, macro_ignore_class_ids=Seq(Int(0, MAX_SIZE)) | None,
-                   log_images=Int(0, 64))
+    domains = dict(num_classes=Int(1, MAX_SIZE) | None, ignore_index=Int(-1, MAX_SIZE) | None,
+                   class_names=Names | None, logits_key=Key, target_key=Key, every_n_steps=Steps,
+                   macro_ignore_class_ids=Seq(Int(0, MAX_SIZE)) | None, log_images=Int(0, 64))
 
     def __init__(self, num_classes: int | None = None, ignore_index: int | None = None,
                  class_names: Sequence[str] | None = None, logits_key: str = "seg_logits",

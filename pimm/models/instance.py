@@ -88,10 +88,11 @@ class PointGroupLite(nn.Module):
     ``instance_pred``.
     """
 
-    domains = dict(backbone=Registered('model'), num_classes=Int(1, MAX_SIZE), criteria=Seq(Registered('loss')) | None,
-                   grid_size=Length, offset_scale=Length, offset_weight=Weight, direction_weight=Weight,
-                   agree_radius=Length | Seq(Length, min_len=1), merge_radius=Length | Seq(Length, min_len=1),
-                   min_points=PosInt | Seq(PosInt, min_len=1), stuff_classes=Seq(Int(0, MAX_SIZE)), absorb_points=Count)
+    domains = dict(backbone=Registered("model"), num_classes=Int(1, MAX_SIZE),
+                   criteria=Seq(Registered("loss")) | None, grid_size=Length, offset_scale=Length,
+                   offset_weight=Weight, direction_weight=Weight, agree_radius=Length | Seq(Length, min_len=1),
+                   merge_radius=Length | Seq(Length, min_len=1), min_points=PosInt | Seq(PosInt, min_len=1),
+                   stuff_classes=Seq(Int(0, MAX_SIZE)), absorb_points=Count)
 
     def __init__(
         self,

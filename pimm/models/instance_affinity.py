@@ -116,11 +116,12 @@ class PointGroupAffinity(nn.Module):
     ``instance_pred``.
     """
 
-    domains = dict(backbone=Registered('model'), num_classes=Int(1, MAX_SIZE), criteria=Seq(Registered('loss')) | None,
-                   grid_size=Length, offset_scale=Length, offset_weight=Weight, direction_weight=Weight, embed_dim=Size,
-                   vote_bandwidth=Length, affinity_weight=Weight, pairs_per_point=Int(1, 1024),
-                   agree_radius=Length | Seq(Length, min_len=1), fragment_affinity=Prob, merge_affinity=Prob,
-                   max_linkage_points=Int(1, 10**7), min_points=PosInt, stuff_classes=Seq(Int(0, MAX_SIZE)))
+    domains = dict(backbone=Registered("model"), num_classes=Int(1, MAX_SIZE),
+                   criteria=Seq(Registered("loss")) | None, grid_size=Length, offset_scale=Length,
+                   offset_weight=Weight, direction_weight=Weight, embed_dim=Size, vote_bandwidth=Length,
+                   affinity_weight=Weight, pairs_per_point=Int(1, 1024), agree_radius=Length | Seq(Length, min_len=1),
+                   fragment_affinity=Prob, merge_affinity=Prob, max_linkage_points=Int(1, 10**7), min_points=PosInt,
+                   stuff_classes=Seq(Int(0, MAX_SIZE)))
 
     def __init__(
         self,

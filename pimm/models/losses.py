@@ -41,8 +41,8 @@ class CrossEntropyLoss(nn.Module):
     """Mean cross-entropy over non-ignored points, with optional class ``weight``
     and ``label_smoothing``."""
 
-    domains = dict(weight=Seq(NonNeg, min_len=1) | None, ignore_index=Int(-1, MAX_SIZE), label_smoothing=Real(0, 1, hi_open=True),
-                   loss_weight=Weight)
+    domains = dict(weight=Seq(NonNeg, min_len=1) | None, ignore_index=Int(-1, MAX_SIZE),
+                   label_smoothing=Real(0, 1, hi_open=True), loss_weight=Weight)
 
     def __init__(self, weight: Sequence[float] | None = None, ignore_index: int = -1,
                  label_smoothing: float = 0.0, loss_weight: float = 1.0):
@@ -82,7 +82,7 @@ class LovaszLoss(nn.Module):
     choice: absent classes have an undefined IoU); ``"all"`` over every class.
     """
 
-    domains = dict(classes=Choice('present', 'all'), ignore_index=Int(-1, MAX_SIZE), loss_weight=Weight)
+    domains = dict(classes=Choice("present", "all"), ignore_index=Int(-1, MAX_SIZE), loss_weight=Weight)
 
     def __init__(self, classes: str = "present", ignore_index: int = -1, loss_weight: float = 1.0):
         super().__init__()
@@ -115,7 +115,8 @@ class DiceLoss(nn.Module):
     """Soft multi-class Dice loss ``1 - mean_c (2 sum p*y + s) / (sum p + sum y + s)``
     over the classes present in the target (or all with ``classes="all"``)."""
 
-    domains = dict(smooth=Real(0, MAX_REAL), classes=Choice('present', 'all'), ignore_index=Int(-1, MAX_SIZE), loss_weight=Weight)
+    domains = dict(smooth=Real(0, MAX_REAL), classes=Choice("present", "all"), ignore_index=Int(-1, MAX_SIZE),
+                   loss_weight=Weight)
 
     def __init__(self, smooth: float = 1.0, classes: str = "present", ignore_index: int = -1,
                  loss_weight: float = 1.0):

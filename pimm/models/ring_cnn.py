@@ -65,8 +65,9 @@ class RingCNN(nn.Module):
     returns ``cls_logits`` (B,num_classes) and, with labels, the cross-entropy ``loss``.
     """
 
-    domains = dict(in_channels=Size, num_classes=Int(1, MAX_SIZE), width=Size, depth=Int(1, 64), stem_stride=Int(1, 16),
-                   blocks_per_stage=Int(1, 64), norm=Choice('bn', 'gn'), dropout=Real(0, 1, hi_open=True))
+    domains = dict(in_channels=Size, num_classes=Int(1, MAX_SIZE), width=Size, depth=Int(1, 64),
+                   stem_stride=Int(1, 16), blocks_per_stage=Int(1, 64), norm=Choice("bn", "gn"),
+                   dropout=Real(0, 1, hi_open=True))
 
     def __init__(
         self,

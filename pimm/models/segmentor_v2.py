@@ -42,8 +42,8 @@ class DefaultSegmentorV2(nn.Module):
         mlp_head: Linear-ReLU-Dropout-Linear head instead of one Linear.
     """
 
-    domains = dict(num_classes=Int(1, MAX_SIZE), backbone_out_channels=Size, backbone=Registered('model') | None,
-                   criteria=Seq(Registered('loss')) | None)
+    domains = dict(num_classes=Int(1, MAX_SIZE), backbone_out_channels=Size, backbone=Registered("model") | None,
+                   criteria=Seq(Registered("loss")) | None)
 
     def __init__(self, num_classes: int, backbone_out_channels: int, backbone: dict | None = None,
                  criteria: Sequence[dict] | None = None, freeze_backbone: bool = False, mlp_head: bool = False):

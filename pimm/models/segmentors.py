@@ -50,7 +50,8 @@ class DefaultSegmentor(nn.Module):
     when the batch holds ``segment``, a scalar ``"loss"``.
     """
 
-    domains = dict(backbone=Registered('model'), num_classes=Int(1, MAX_SIZE), criteria=Seq(Registered('loss')) | None)
+    domains = dict(backbone=Registered("model"), num_classes=Int(1, MAX_SIZE),
+                   criteria=Seq(Registered("loss")) | None)
 
     def __init__(self, backbone: dict, num_classes: int, criteria: Sequence[dict] | None = None):
         super().__init__()

@@ -235,7 +235,8 @@ class Registered(Domain):
         self.what = f"a dict(type=...) naming a registered {registry}"
 
     def accepts(self, value):
-        return isinstance(value, dict) and "type" in value and (isinstance(value["type"], str) or callable(value["type"]))
+        kind = value.get("type") if isinstance(value, dict) else None
+        return isinstance(kind, str) or callable(kind)
 
 
 class Anything(Domain):

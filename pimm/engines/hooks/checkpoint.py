@@ -60,7 +60,7 @@ class CheckpointSaver(HookBase):
     priority = "LOW"
 
     domains = dict(save_freq=Steps, save_every_seconds=Positive | None, keep_last=PosInt, keep_every=Steps,
-                   time_check_every=PosInt, keep=Choice('best', 'last', 'all') | None)
+                   time_check_every=PosInt, keep=Choice("best", "last", "all") | None)
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
@@ -140,7 +140,8 @@ class CheckpointLoader(HookBase):
     priority = "VERY_HIGH"
 
     domains = dict(key_map=Seq(Seq(Text(empty=True), length=2), what="a list of (old_prefix, new_prefix) pairs"),
-                   keywords=Text(empty=True), replacement=Text(empty=True) | None, replacements=DictOf(Text(), Text(empty=True)) | None)
+                   keywords=Text(empty=True), replacement=Text(empty=True) | None,
+                   replacements=DictOf(Text(), Text(empty=True)) | None)
 
     def __init__(self, key_map=(), keywords="", replacement=None, replacements=None, strict=False):
         try:

@@ -60,7 +60,7 @@ class EarlyStopping(HookBase):
     # After EMAHook (ABOVE_NORMAL), which declares the directions of val_ema/*.
     priority = "BELOW_NORMAL"
 
-    domains = dict(monitor=Key | None, mode=Choice('min', 'max') | None, patience=Count, min_delta=NonNeg)
+    domains = dict(monitor=Key | None, mode=Choice("min", "max") | None, patience=Count, min_delta=NonNeg)
 
     def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 5,
                  min_delta: float = 0.0, stop_on_zero_lr: bool = False):

@@ -75,8 +75,9 @@ class ReduceLROnPlateau(HookBase):
     # CheckpointSaver (LOW), so a checkpoint taken after an evaluation holds the decision.
     priority = "BELOW_NORMAL"
 
-    domains = dict(monitor=Key, mode=Choice('min', 'max') | None, factor=Real(0, 1, lo_open=True, hi_open=True), patience=Count,
-                   threshold=NonNeg, threshold_mode=Choice('rel', 'abs'), cooldown=Count, min_lr=LR | Seq(LR))
+    domains = dict(monitor=Key, mode=Choice("min", "max") | None, factor=Real(0, 1, lo_open=True, hi_open=True),
+                   patience=Count, threshold=NonNeg, threshold_mode=Choice("rel", "abs"), cooldown=Count,
+                   min_lr=LR | Seq(LR))
 
     def __init__(self, monitor: str, mode: str | None = None, factor: float = 0.1, patience: int = 10,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0,

@@ -60,7 +60,7 @@ class NaNGuard(HookBase):
     # after_backward: after every hook that may change the gradients.
     priority = "VERY_LOW"
 
-    domains = dict(policy=Choice('skip', 'stop'), max_consecutive_skips=PosInt)
+    domains = dict(policy=Choice("skip", "stop"), max_consecutive_skips=PosInt)
 
     def __init__(self, policy: str = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True):
         if policy not in _POLICIES:

@@ -71,9 +71,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     Testing is :class:`pimm.engines.testers.Tester`'s job, not a mode.
     """
 
-    domains = dict(hooks=Anything('the built hooks, passed by the launcher'), collate_fn=CollateFn, val_collate_fn=CollateFn,
-                   iters_per_epoch=PosInt | None, stop_check_every=PosInt, tracer=Anything('built by the launcher'),
-                   oom_backoff=Bool | DictOf(what='a dict like dict(max_splits=2)') | None)
+    domains = dict(hooks=Anything("the built hooks, passed by the launcher"), collate_fn=CollateFn,
+                   val_collate_fn=CollateFn, iters_per_epoch=PosInt | None, stop_check_every=PosInt,
+                   tracer=Anything("built by the launcher"),
+                   oom_backoff=Bool | DictOf(what="a dict like dict(max_splits=2)") | None)
 
     def __init__(self, cfg, hooks: list[HookBase] | None = None, collate_fn=None, val_collate_fn=None,
                  iters_per_epoch=None, find_unused_parameters: bool = False, stop_check_every: int = 10,

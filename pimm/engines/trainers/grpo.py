@@ -142,8 +142,8 @@ class GRPOTrainer(DefaultTrainer):
     ``trajectory_microbatch_size`` instead.
     """
 
-    domains = dict(policy_updates_per_rollout=PosInt, trajectory_microbatch_size=Count | None, torch_threads=Int(1, 4096) | None,
-                   step_per=Choice('update', 'rollout'), reward_warn_after=Count)
+    domains = dict(policy_updates_per_rollout=PosInt, trajectory_microbatch_size=Count | None,
+                   torch_threads=Int(1, 4096) | None, step_per=Choice("update", "rollout"), reward_warn_after=Count)
 
     def __init__(self, cfg, policy_updates_per_rollout=1, trajectory_microbatch_size=None, sample_in_eval_mode=True,
                  torch_threads=None, step_per="update", reward_warn_after=10, **options):
