@@ -255,7 +255,7 @@ class MultiStepLR(_ClosedFormLR):
     80 % of ``total_steps``) or ints (absolute optimizer steps, not epochs).
     Fractions are rounded to the nearest step, at least 1."""
 
-    domains = dict(milestones=Seq(Positive, min_len=1), gamma=Real(0, 1, lo_open=True))
+    domains = dict(milestones=Seq(Positive, min_len=1), gamma=Real(0, 10))
 
     def __init__(self, optimizer: Optimizer, total_steps: int, milestones: Sequence[float | int], gamma: float = 0.1):
         total = _check_total_steps(total_steps)

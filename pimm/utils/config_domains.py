@@ -18,7 +18,7 @@ import inspect
 from typing import Any, Callable, Iterator
 
 from .config_slots import BUILDER_ARGS, _classes, slot_registry
-from .domains import Bool, Domain, Int, OneOf, Rule, Text, as_domain, show
+from .domains import Bool, Domain, Int, OneOf, Real, Rule, Text, as_domain, show
 from .errors import ConfigError
 from .registry import generation, registries
 
@@ -98,7 +98,7 @@ def undeclared(cls: Callable, registry: str) -> list[str]:
     """Arguments of ``cls`` a config can set that have no declared domain."""
     domains, _ = domains_of(cls)
     filled = BUILDER_ARGS.get(registry, ())
-    names = [p.name for p in _own_parameters(cls if not inspect.isclass(cls) else cls)]
+    names = [p.name for p in _own_parameters(cls)]
     return [n for n in names if n not in filled and n not in domains]
 
 
@@ -155,9 +155,32 @@ def _walk(node: Any, path: str, shown: str) -> None:
             _walk(child, f"{path}.{index}" if path else index, child_shown)
 
 
+# A ``param_dicts`` entry: which parameters (``keyword``), a factor on the base lr, and the optimizer's own options.
+PARAM_GROUP_DOMAINS: dict[str, Domain] = {"keyword": Text("a substring of parameter names"),
+                                          "lr_scale": Real(0, 1e6)}
+
+
+def _check_param_dicts(cfg: dict) -> None:
+    """Each ``param_dicts`` entry's options take the optimizer's domains (one optimizer;
+    with several, ``param_dicts`` is keyed by part and each part's optimizer builds its own)."""
+    entries, optimizer = cfg.get("param_dicts"), cfg.get("optimizer")
+    if not isinstance(entries, (list, tuple)) or not isinstance(optimizer, dict):
+        return
+    found = _classes(optimizer, "optimizer")
+    domains = {**(domains_of(found[0][1])[0] if found else {}), **PARAM_GROUP_DOMAINS}
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"param_dicts.{index}={show(entry)} is invalid: it takes a dict like "
+                              "dict(keyword='bias', weight_decay=0.0)")
+        for key, value in entry.items():
+            if key in domains:
+                domains[key](f"param_dicts.{index}.{key}", value)
+
+
 def check_config_domains(cfg: dict) -> None:
     """Check every registry-built dict of ``cfg`` against its declared domains;
     the first bad value raises a one-line ConfigError naming the key."""
     for key, value in cfg.items():
         if isinstance(value, (dict, list, tuple)) and not str(key).startswith("_"):
             _walk(value, str(key), str(key))
+    _check_param_dicts(cfg)

@@ -313,7 +313,11 @@ class Rule:
         self.test, self.key, self.what = test, key, what
 
     def check(self, args: dict, where: str) -> None:
-        if not self.test(SimpleNamespace(**args)):
+        try:
+            holds = self.test(SimpleNamespace(**args))
+        except AttributeError:  # a required argument the config leaves out: the constructor names it
+            return
+        if not holds:
             raise ConfigError(f"{where}{self.key}={show(args.get(self.key))} is invalid: it takes {self.what}")
 
 
