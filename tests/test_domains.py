@@ -78,6 +78,24 @@ def test_every_registered_argument_has_a_declared_domain():
                          + "\n".join(missing))
 
 
+def test_every_runtime_key_has_a_domain_that_refuses_something():
+    from pimm.engines.runtime import RUNTIME_KEYS
+
+    hostile = [None, -1, "zzz", 10**12, [], 1e30, math.nan]
+    takes_anything = []
+    for key in RUNTIME_KEYS:
+        refused = 0
+        for value in hostile:
+            try:
+                key.check(key.name, value)
+            except ConfigError as err:
+                assert "\n" not in str(err) and key.name in str(err), (key.name, value, str(err))
+                refused += 1
+        if not refused:
+            takes_anything.append(key.name)
+    assert not takes_anything
+
+
 def test_the_walk_notices_an_undeclared_argument():
     registry = Registry("domain-test")
 
