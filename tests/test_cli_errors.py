@@ -156,7 +156,7 @@ CASES = [
     Case("resume_is_a_string", ("resume='no'", "True, False"), options=("resume=no",)),
     Case("enable_amp_is_a_string", ("enable_amp='off'", "True or False"), options=("enable_amp=off",)),
     Case("evaluate_is_a_string", ("evaluate='no'", "True or False"), options=("evaluate=no",)),
-    Case("num_worker_negative", ("num_worker=-1", "integer >= 0"), options=("num_worker=-1",)),
+    Case("num_worker_negative", ("num_worker=-1", "integer in [0, 1024]"), options=("num_worker=-1",)),
     Case("zero_processes", ("--num-gpus 0",), num_gpus=0),
     Case("missing_model", ("no `model`",), options=("model=None",)),
     Case("missing_optimizer", ("no `optimizer`",), options=("optimizer=None",)),

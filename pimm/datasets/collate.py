@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from pimm.engines.registries import COLLATE_FNS
+from pimm.utils.domains import Prob
 
 __all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn", "split_point_batch"]
 
@@ -136,7 +137,7 @@ def _mix_pairs(out: dict, shift_instances: bool) -> dict:
     return out
 
 
-@COLLATE_FNS.register_module()
+@COLLATE_FNS.register_module(domains=dict(mix_prob=Prob))
 def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     """:func:`collate_fn`, then with probability ``mix_prob`` (global numpy
     RNG) merge events 0+1, 2+3, ... into single events (an odd last event
@@ -152,7 +153,7 @@ def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     return out
 
 
-@COLLATE_FNS.register_module()
+@COLLATE_FNS.register_module(domains=dict(mix_prob=Prob))
 def inseg_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     """:func:`collate_fn` with batch-unique instance ids.
 

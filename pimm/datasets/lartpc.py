@@ -41,6 +41,7 @@ from pimm.utils.errors import UserError
 from .lartpc_paths import DELTA, LOW_ENERGY, MICHEL, MIP, SHOWER, TRACK, Deposits, deflected, isotropic, normalised
 from .lartpc_showers import simulate_showers
 from .point_dataset import SPLITS, PointDataset
+from pimm.utils.domains import Choice, Count, Int, Length, NonNeg, PosInt, Seq, Transforms
 
 __all__ = ["LArTPCSynthDataset", "generate_event", "DEFAULT_PHYSICS"]
 
@@ -280,6 +281,10 @@ class LArTPCSynthDataset(PointDataset):
     raster order within a cluster, so :func:`write_pilarnet_h5` stores them
     as they are.
     """
+
+    domains = dict(num_events=PosInt, seed=Count, split=Choice("train", "val", "test"), transform=Transforms,
+                   voxel_size=Length, points_per_event=Int(1, 10**7) | Seq(Int(1, 10**7), min_len=1, max_len=2),
+                   max_interactions=Int(1, 4096), detector_size=Length, energy_threshold=NonNeg)
 
     def __init__(self, num_events: int = 1000, seed: int = 0, split: str = "train",
                  transform: Sequence[Any] | None = None, voxel_size: float = 1.0,

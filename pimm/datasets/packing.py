@@ -14,6 +14,7 @@ from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
 from .transforms import _keys
+from pimm.utils.domains import DictOf, Key, Keys
 
 __all__ = ["ToTensor", "Collect"]
 
@@ -57,6 +58,8 @@ class Collect:
     Upstream always adds ``offset`` (from ``coord``) here; pimm's collate
     functions derive the batch ``offset`` from the points themselves, so it is
     only stored when ``offset_keys_dict`` asks for it -- batches are the same."""
+
+    domains = dict(keys=Key | Keys, offset_keys_dict=DictOf(Key, Key) | None, feat_keys=Key | Keys)
 
     def __init__(self, keys: Sequence[str] | str, offset_keys_dict: dict | None = None, **kwargs):
         self.keys = _keys(keys)

@@ -37,6 +37,9 @@ from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
 
 from .point_dataset import SPLITS, PointDataset
+from pimm.utils.domains import (
+    Choice, Count, DictOf, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
+)
 
 __all__ = ["PILArNetH5Dataset", "write_pilarnet_h5", "POINT_COLUMNS", "CLUSTER_COLUMNS", "REVISIONS"]
 
@@ -158,6 +161,11 @@ class PILArNetH5Dataset(PointDataset):
     ``interaction`` (raw interaction id); ``name`` = ``"<file>.h5_<event>"``,
     ``split`` and ``revision`` strings.
     """
+
+    domains = dict(data_root=FilePath | None, split=Key | Keys, transform=Transforms, test_cfg=DictOf() | None,
+                   loop=PosInt, ignore_index=Int(-1, MAX_SIZE), energy_threshold=NonNeg, min_points=Count,
+                   max_len=Int(-1) | None, revision=Choice(*REVISIONS) | None,
+                   overlay_n_events=PosInt | Seq(PosInt, length=2), overlay_prob=Prob)
 
     def __init__(self, data_root: str | os.PathLike | None = None, split: str | Sequence[str] = "train",
                  transform: Sequence[Any] | None = None, test_mode: bool = False, test_cfg: Any = None,

@@ -32,6 +32,7 @@ import torch
 
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import UserError
+from pimm.utils.domains import Choice, Count, Int, Length, NonNeg, Pair, PosInt, Positive, Prob, Real, Seq
 
 __all__ = ["CherenkovRingDataset", "ELECTRON_MASS", "MUON_MASS"]
 
@@ -147,6 +148,13 @@ class CherenkovRingDataset(torch.utils.data.Dataset):
 
     class_names = ("electron", "muon")
     num_classes = 2
+
+    domains = dict(num_events=PosInt, seed=Count, split=Choice("train", "val", "test"),
+                   image_size=Seq(Int(4, 4096), length=2), momentum_range=Pair(Positive), tank_radius=Length,
+                   tank_half_height=Length, fiducial_margin=NonNeg, min_towall=NonNeg,
+                   max_abs_cos_zenith=Real(0, 1, lo_open=True), refractive_index=Real(1, 10, lo_open=True),
+                   pe_per_cm=Positive, dedx=Positive, shower_spread=NonNeg, attenuation_length=Length,
+                   noise_rate=Prob, gain_spread=Real(0, 10), time_jitter=NonNeg, time_scale=Positive)
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ from pimm.engines.registries import DATASETS
 from pimm.utils.errors import UserError
 
 from .point_dataset import SPLITS, PointDataset
+from pimm.utils.domains import Choice, Count, Int, NonNeg, Pair, PosInt, Positive, Real, Transforms
 
 __all__ = ["StraightTracksDataset", "TRACK_CLASSES", "MAX_TRACKS"]
 
@@ -82,6 +83,12 @@ class StraightTracksDataset(PointDataset):
         noise_dedx: (min, max) deposit of noise hits.
         transform: optional transform pipeline (see ``PointDataset``).
     """
+
+    domains = dict(num_events=PosInt, seed=Count, split=Choice("train", "val", "test"), num_tracks=Pair(Int(1, 64)),
+                   min_separation_deg=Real(0, 180), hits_per_track=Int(2, 10**5), noise_hits=Pair(Int(0, 10**5)),
+                   angle_noise=Real(0, 10), muon_length=Pair(Positive), proton_length=Pair(Positive),
+                   muon_dedx=Positive, proton_dedx=Positive, bragg_rise=NonNeg, dedx_spread=Real(0, 10),
+                   noise_dedx=Pair(Positive), transform=Transforms)
 
     def __init__(self, num_events: int = 1000, seed: int = 0, split: str = "train",
                  num_tracks: Sequence[int] = (1, 3), min_separation_deg: float = 30.0, hits_per_track: int = 12,

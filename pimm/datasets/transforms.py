@@ -37,6 +37,9 @@ import torch
 
 from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
+from pimm.utils.domains import (
+    Choice, DictOf, Key, Keys, MAX_REAL, NonNeg, Pair, Positive, Prob, Real, Registered, Seq, Transforms,
+)
 
 __all__ = [
     "Compose", "Copy", "Update", "NormalizeCoord", "RandomRotate", "RandomFlip", "RandomJitter",
@@ -102,6 +105,8 @@ class Compose:
     """Apply transforms in order. Items are ``dict(type=...)`` configs (built
     from ``TRANSFORMS``) or callables; ``None``/empty means identity."""
 
+    domains = dict(transforms=Transforms | Registered("transform"))
+
     def __init__(self, transforms: Sequence[dict | Callable] | dict | None = None):
         if isinstance(transforms, dict) or callable(transforms):
             transforms = [transforms]  # a single transform given without a list
@@ -125,6 +130,8 @@ class Copy:
     resolution); ``keys_dict={"segment_motif": "segment"}`` picks the PILArNet
     label to train on. Destinations are independent copies."""
 
+    domains = dict(keys_dict=DictOf(Key, Key) | None)
+
     def __init__(self, keys_dict: dict | None = None):
         self.keys_dict = dict(coord="origin_coord", segment="origin_segment") if keys_dict is None else dict(keys_dict)
 
@@ -147,6 +154,8 @@ class Update:
     set ``index_valid_keys``, the list of per-point entries later transforms
     keep aligned (see the module doc)."""
 
+    domains = dict(keys_dict=DictOf(Key) | None)
+
     def __init__(self, keys_dict: dict | None = None):
         self.keys_dict = dict(keys_dict or {})
 
@@ -167,6 +176,9 @@ class NormalizeCoord:
     the largest half-side of the bounding box (``mode="box"``: inside
     [-1, 1]^3); a number divides by that value, which keeps sizes comparable
     across events (PILArNet: ``center=[384]*3``, ``scale=768*sqrt(3)/2``)."""
+
+    domains = dict(center=Choice("mean", "box") | Seq(Real(-MAX_REAL), length=3) | None, scale=Positive | None,
+                   mode=Choice("sphere", "box"))
 
     def __init__(self, center: str | Sequence[float] | None = None, scale: float | None = None,
                  mode: str = "sphere"):
@@ -207,6 +219,9 @@ class RandomRotate:
     multiples of pi (``None``: ``[-1, 1]``, any angle), around ``center``
     (``None``: the bounding-box centre; else a fixed point)."""
 
+    domains = dict(angle=Pair(Real(-360, 360)) | None, center=Seq(Real(-MAX_REAL), length=3) | None,
+                   axis=Choice("x", "y", "z"), p=Prob)
+
     def __init__(self, angle: Sequence[float] | None = None, center: Sequence[float] | None = None,
                  axis: str = "z", always_apply: bool = False, p: float = 0.5):
         if isinstance(center, bool):
@@ -241,6 +256,8 @@ class RandomFlip:
     """Mirror through the origin plane: for each of ``axes`` independently,
     with probability ``p``, negate that column of ``coord`` (and ``normal``)."""
 
+    domains = dict(p=Prob, axes=Choice("x", "y", "z") | Seq(Choice("x", "y", "z")))
+
     def __init__(self, p: float = 0.5, axes: Sequence[str] | str = ("x", "y")):
         self.p, self.axes = float(p), [_axis(a) for a in _keys(axes)]
 
@@ -260,6 +277,8 @@ class RandomFlip:
 class RandomJitter:
     """With probability ``p``, add Gaussian noise of std ``sigma``, clipped to
     +-``clip``, to each entry of ``keys`` (default ``coord``)."""
+
+    domains = dict(sigma=NonNeg, clip=Positive, keys=Key | Keys, p=Prob)
 
     def __init__(self, sigma: float = 0.01, clip: float = 0.05, keys: Sequence[str] | str = ("coord",),
                  p: float = 1.0):
@@ -282,6 +301,8 @@ class RandomJitter:
 class RandomScale:
     """Multiply ``coord`` by a factor drawn uniformly from ``scale`` (``None``:
     ``[0.95, 1.05]``), one per axis when ``anisotropic``, about the origin."""
+
+    domains = dict(scale=Pair(Positive) | None)
 
     def __init__(self, scale: Sequence[float] | None = None, anisotropic: bool = False):
         self.scale, self.anisotropic = _range(scale, (0.95, 1.05), "RandomScale", "scale"), anisotropic
@@ -317,6 +338,9 @@ class LogTransform:
     (``scale`` default 1) from ``key`` (default ``energy``) into ``out_key``
     (default: in place). The two forms cannot be mixed.
     """
+
+    domains = dict(min_val=Real(-MAX_REAL) | None, max_val=Real(-MAX_REAL) | None, keys=Key | Keys, key=Key | None,
+                   scale=Positive | None, out_key=Key | None)
 
     def __init__(self, min_val: float | None = None, max_val: float | None = None, log: bool = True,
                  keys: Sequence[str] | str = ("energy",), clip: bool = False,

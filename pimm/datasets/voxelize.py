@@ -26,6 +26,7 @@ from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
 from .transforms import _require, index_points, point_keys
+from pimm.utils.domains import Choice, Keys, Length, Seq
 
 __all__ = ["GridSample", "fnv_hash", "ravel_hash"]
 
@@ -80,6 +81,10 @@ class GridSample:
             (upstream), ``"first"`` (first in input order) or ``"mean"``
             (float entries averaged over the cell, others from the first point).
     """
+
+    domains = dict(grid_size=Length | Seq(Length, length=3), hash_type=Choice("fnv", "ravel"),
+                   mode=Choice("train", "test"), sum_keys=Keys | None, min_keys=Keys | None,
+                   reduce=Choice("random", "first", "mean"))
 
     def __init__(self, grid_size: float | Sequence[float] = 0.05, hash_type: str = "fnv", mode: str = "train",
                  return_inverse: bool = False, return_grid_coord: bool = False, return_min_coord: bool = False,

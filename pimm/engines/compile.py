@@ -21,6 +21,8 @@ raise too, is not reported as a compile failure.
 
 from __future__ import annotations
 
+import difflib
+
 import functools
 import logging
 
@@ -56,7 +58,22 @@ def check_compile(key: str, value) -> dict:
                           "True or False")
     if not isinstance(out["backend"], str) or not out["backend"]:
         raise ConfigError(f"{key}.backend={out['backend']!r} is invalid: it takes a backend name like 'inductor'")
+    if out["enabled"]:
+        _check_backend(key, out["backend"])
     return out
+
+
+def _check_backend(key: str, backend: str) -> None:
+    """Every backend torch.compile takes, the debugging ones (eager, aot_eager) included."""
+    from torch._dynamo import list_backends
+
+    names = list_backends(exclude_tags=())
+    if backend not in names:
+        shown = sorted(set(list_backends()) | {n for n in ("eager", "aot_eager") if n in names})
+        near = difflib.get_close_matches(backend, shown, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"{key}.backend={backend!r} is not a torch.compile backend; {hint}it takes one of "
+                          f"{', '.join(map(repr, shown))}")
 
 
 def compile_model(module: nn.Module, options: dict | None, name: str,
@@ -67,12 +84,7 @@ def compile_model(module: nn.Module, options: dict | None, name: str,
     options = check_compile("compile", options if options is not None else DEFAULT_COMPILE)
     if not options["enabled"]:
         return module
-    from torch._dynamo import list_backends
-
     backend = options["backend"]
-    if backend not in list_backends(exclude_tags=()):
-        raise ConfigError(f"compile.backend={backend!r} is not a torch.compile backend; available: "
-                          f"{', '.join(list_backends())}")
     compiled = torch.compile(module, mode=options["mode"], dynamic=options["dynamic"],
                              fullgraph=options["fullgraph"], backend=backend)
     compiled.forward = _naming_failures(compiled.forward, name, options, logger)

@@ -31,11 +31,12 @@ from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
 from pimm.engines.run_records import apply_launch_command
-from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
+from pimm.engines.runtime import apply_runtime_defaults, check_required, check_runtime_domains, validate_runtime
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
 from pimm.utils.config import Config
 from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
+from pimm.utils.config_domains import check_config_domains
 from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.logger import FILE_ONLY, log_file, setup_logger
 from pimm.utils.run_lock import RunLock
@@ -127,6 +128,8 @@ def prepare_config(cfg, world_size: int, mode: str = "train") -> list:
         raise ConfigError(f"mode must be 'train' or 'test', got {mode!r}")
     apply_runtime_defaults(cfg)
     check_registry_dicts(cfg)
+    check_runtime_domains(cfg)  # every declared domain, before anything is built
+    check_config_domains(cfg)
     hooks = build_run_hooks(cfg)  # default_hooks, then the config's hooks list (docs/hooks.md)
     for hook in hooks:
         hook.modify_config(cfg)

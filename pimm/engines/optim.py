@@ -24,14 +24,24 @@ import torch
 from torch import nn
 
 from pimm.engines.registries import OPTIMIZERS
+from pimm.utils.domains import LR, Bool, Prob, Real, Rule, Seq
 from pimm.utils.errors import ConfigError, RegistryError
 
 __all__ = ["build_optimizer"]
 
 logger = logging.getLogger(__name__)
 
+# torch's optimizers cannot carry a ``domains`` attribute of pimm's: their
+# arguments' domains are declared here, at registration (bool options inferred).
+_TORCH_OPTIM_DOMAINS = dict(lr=LR, weight_decay=Real(0, 10), eps=Real(0, 1, lo_open=True),
+                            betas=Seq(Real(0, 1, hi_open=True), length=2), momentum=Real(0, 1, hi_open=True),
+                            dampening=Prob, foreach=Bool | None, fused=Bool | None)
+_TORCH_OPTIM_RULES = {torch.optim.SGD: (Rule(lambda a: not a.nesterov or (a.momentum > 0 and a.dampening == 0),
+                                             "nesterov", "False unless momentum > 0 and dampening = 0"),)}
 for _optim_cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-    OPTIMIZERS.register_module(module=_optim_cls)
+    _names = inspect.signature(_optim_cls).parameters
+    OPTIMIZERS.register_module(module=_optim_cls, rules=_TORCH_OPTIM_RULES.get(_optim_cls, ()),
+                               domains={k: v for k, v in _TORCH_OPTIM_DOMAINS.items() if k in _names})
 
 # Keys of a ``param_dicts`` entry that this module interprets itself; every
 # other key is a per-group optimizer option (weight_decay, momentum, betas...).

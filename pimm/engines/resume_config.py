@@ -66,6 +66,12 @@ def run_dir_options(run_dir: str) -> tuple[str, list[str]]:
     """``--resume RUN_DIR``: the recorded config file and the options that put
     the run where it was found."""
     root = Path(run_dir)
+    if (root / "COMMITTED").is_file():  # a checkpoint folder: save_path/checkpoints/<step>
+        run = root.parent.parent
+        spelling = (f"--config-file {run / RECORD} --options save_path={run} resume={root}" if (run / RECORD).is_file()
+                    else f"--config-file CFG --options resume={root}")
+        raise ConfigError(f"--resume {run_dir}: this is a checkpoint folder; --resume takes a run directory "
+                          f"(save_path). To continue from this checkpoint write: {spelling}")
     if not (root / RECORD).is_file():
         what = "does not exist" if not root.exists() else f"holds no {RECORD}: it is not a pimm run directory"
         raise ConfigError(f"--resume {run_dir}: the directory {what}; give the save_path of a run started by "

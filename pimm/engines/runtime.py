@@ -27,11 +27,12 @@ from pimm.engines.default_hooks import DEFAULT_HOOKS, check_default_hooks, fill_
 from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.engines.state.weight_source import check_weight_option
 from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
+from pimm.utils.domains import MAX_COUNT, Signal, show
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
 
 __all__ = ["RUNTIME_KEYS", "RUNTIME_DEFAULTS", "DEFAULT_HOOKS", "apply_runtime_defaults", "validate_runtime",
-           "render_default_runtime", "check_required", "apply_process_settings"]
+           "render_default_runtime", "check_required", "apply_process_settings", "check_runtime_domains"]
 
 # -- value checks: each returns the (normalised) value or raises ConfigError ----
 def _bool(key, value):
@@ -40,13 +41,15 @@ def _bool(key, value):
     return value
 
 
-def _int(low: int, allow_none: bool = False):
+def _int(low: int, allow_none: bool = False, high: int = MAX_COUNT):
     def check(key, value):
         if value is None and allow_none:
             return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            what = {0: "an integer >= 0", 1: "a positive integer"}.get(low, f"an integer >= {low}")
-            raise ConfigError(f"{key}={value!r} is invalid: it takes {what}{' or None' if allow_none else ''}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            what = f"an integer in [{low}, {high}]" if high != MAX_COUNT else {
+                0: "an integer >= 0", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+            cap = f" (at most {high:.0e})" if high == MAX_COUNT and isinstance(value, int) and value > high else ""
+            raise ConfigError(f"{key}={value!r} is invalid: it takes {what}{' or None' if allow_none else ''}{cap}")
         return value
     return check
 
@@ -111,15 +114,17 @@ def _resume(key, value):
 def _seed(key, value):
     if value is None:
         return value
-    return _int(0)(key, value)
+    return _int(0, high=2**32 - 1)(key, value)  # numpy's seeds are 32-bit
 
 
 def _signals(key, value):
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{key}={value!r} is invalid: it takes a list of signal names like ['SIGTERM', 'SIGUSR2']")
     for name in value:
-        if not name.startswith("SIG") or not hasattr(signal, name):
-            raise ConfigError(f"{key}: unknown signal {name!r} (use names like 'SIGTERM', 'SIGUSR2')")
+        if not Signal().accepts(name):
+            unknown = not (name.startswith("SIG") and hasattr(signal, name))
+            raise ConfigError(f"{key}: {'unknown signal' if unknown else 'signal'} {name!r} "
+                              f"{'' if unknown else 'cannot be caught; '}it takes {Signal.what}")
     return list(value)
 
 
@@ -154,8 +159,9 @@ def _key_map(key, value):
 
 
 def _hooks(key, value):
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"hooks must be a list of dict(type=...), got {type(value).__name__}")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(h, dict) and "type" in h for h in value):
+        raise ConfigError(f"{key}={show(value)} is invalid: it takes a list of dict(type=...) (e.g. "
+                          f"{key}=[dict(type='CheckpointSaver')]; [] for no hooks; +{key}=[dict(...)] appends)")
     return value
 
 
@@ -210,7 +216,7 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("epoch", 1, _int(1), "absolute horizon: raising it and resuming extends a finished run"),
     RuntimeKey("batch_size", 16, _int(1), "global, split evenly across processes"),
     RuntimeKey("batch_size_val", None, _int(1, allow_none=True), "global; None = batch_size"),
-    RuntimeKey("num_worker", 0, _int(0), "global data-loading workers, split across processes"),
+    RuntimeKey("num_worker", 0, _int(0, high=1024), "global data-loading workers, split across processes"),
     RuntimeKey("resume", False, _resume,
                "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; "
                "a checkpoint folder's path: continue from that one"),
@@ -286,6 +292,13 @@ def apply_runtime_defaults(cfg) -> None:
         if key not in cfg:
             cfg[key] = copy.deepcopy(value)
     fill_default_hooks(cfg)  # also the names a config's own default_hooks leaves out
+
+
+def check_runtime_domains(cfg) -> None:
+    """Each runtime key's own domain (its ``check``), before any hook is built;
+    :func:`validate_runtime` adds the relations between keys once hooks had their say."""
+    for key in RUNTIME_KEYS:
+        cfg[key.name] = key.check(key.name, cfg.get(key.name))
 
 
 def validate_runtime(cfg, world_size: int) -> None:

@@ -43,6 +43,7 @@ from torch.optim import lr_scheduler as torch_sched
 
 from pimm.engines.registries import SCHEDULERS
 from pimm.utils.errors import CheckpointError, ConfigError
+from pimm.utils.domains import Choice, Count, LR, MAX_REAL, Positive, Prob, Real, Rule, Seq
 
 __all__ = [
     "build_scheduler",
@@ -179,6 +180,9 @@ class CosineWarmupLR(_ClosedFormLR):
     cosine down to ``min_lr_ratio × lr`` (or the absolute ``eta_min``) at
     ``total_steps``."""
 
+    domains = dict(warmup_steps=Count | None, warmup_ratio=Real(0, 1, hi_open=True) | None,
+                   warmup_start_factor=Real(0, 1, lo_open=True), min_lr_ratio=Prob | None, eta_min=LR | None)
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -225,6 +229,8 @@ class CosineWarmupLR(_ClosedFormLR):
 class PolyLR(_ClosedFormLR):
     """``lr × (1 - step / total_steps) ** power`` (held at the end value after)."""
 
+    domains = dict(power=Real(0, 100, lo_open=True))
+
     def __init__(self, optimizer: Optimizer, total_steps: int, power: float = 0.9):
         self.power = _check_number("power", power, 0.0)
         super().__init__(optimizer, total_steps)
@@ -248,6 +254,8 @@ class MultiStepLR(_ClosedFormLR):
     Milestones are fractions of training in (0, 1) (``[0.6, 0.8]``: at 60 % and
     80 % of ``total_steps``) or ints (absolute optimizer steps, not epochs).
     Fractions are rounded to the nearest step, at least 1."""
+
+    domains = dict(milestones=Seq(Positive, min_len=1), gamma=Real(0, 10))
 
     def __init__(self, optimizer: Optimizer, total_steps: int, milestones: Sequence[float | int], gamma: float = 0.1):
         total = _check_total_steps(total_steps)
@@ -292,6 +300,11 @@ class OneCycleLR(_GroupStateMixin, torch_sched.OneCycleLR):
     ratio to that group, so ``param_dicts`` ratios hold. A list gives one peak
     per group. ``total_steps`` comes from the trainer; stepping exactly
     ``total_steps`` times is fine, once more raises ``ValueError``."""
+
+    domains = dict(max_lr=LR | Seq(LR) | None, pct_start=Real(0, 1, lo_open=True, hi_open=True),
+                   anneal_strategy=Choice("cos", "linear"), base_momentum=Prob, max_momentum=Prob,
+                   div_factor=Real(1, MAX_REAL), final_div_factor=Real(1, MAX_REAL))
+    domain_rules = (Rule(lambda a: a.base_momentum <= a.max_momentum, "base_momentum", "a value <= max_momentum"),)
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
 from pimm.evaluation.common import ClassesFromData, check_classes
 from pimm.evaluation.metrics import classification_scores, confusion_matrix
+from pimm.utils.domains import MAX_SIZE, Count, Int, Key, Names
 
 __all__ = ["ClsEvaluator"]
 
@@ -26,6 +27,9 @@ class ClsEvaluator(ClassesFromData, EvaluatorBase):
     ``data.names``. The best checkpoint follows ``acc``."""
 
     metric_name = "acc"
+
+    domains = dict(num_classes=Int(1, MAX_SIZE) | None, class_names=Names | None, logits_key=Key, target_key=Key,
+                   every_n_steps=Count | None, image_key=Key, log_images=Int(0, 64))
 
     def __init__(self, num_classes: int | None = None, class_names: Sequence[str] | None = None,
                  logits_key: str = "cls_logits", target_key: str = "label", every_n_steps: int | None = None,

@@ -29,6 +29,7 @@ from pimm.evaluation.common import resolve_class_names
 from pimm.evaluation.inseg import detection_scores, event_ids
 from pimm.evaluation.metrics import adjusted_rand_index, match_instances
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import MAX_SIZE, Count, Int, Key, Names, Prob
 
 __all__ = ["ClusterPolicyEvaluator"]
 
@@ -47,6 +48,9 @@ class ClusterPolicyEvaluator(EvaluatorBase):
     """
 
     metric_name = "ARI"
+
+    domains = dict(num_classes=Int(1, MAX_SIZE) | None, class_names=Names | None, iou_threshold=Prob,
+                   every_n_steps=Count | None, prefix=Key)
 
     def __init__(self, num_classes: int | None = None, class_names: Sequence[str] | None = None,
                  iou_threshold: float = 0.5, every_n_steps: int | None = None, prefix: str = "val"):

@@ -31,6 +31,7 @@ from pimm.engines.registries import HOOKS
 from pimm.evaluation.metrics import adjusted_rand_index, match_instances, match_instances_per_class
 from pimm.evaluation.semseg import format_score, resolve_class_names
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import MAX_SIZE, Count, Int, Key, Names, Prob
 
 __all__ = ["InsSegEvaluator", "detection_scores"]
 
@@ -79,6 +80,10 @@ class InsSegEvaluator(EvaluatorBase):
     """
 
     metric_name = "ARI"
+
+    domains = dict(num_classes=Int(1, MAX_SIZE), ignore_index=Int(-1, MAX_SIZE), class_names=Names | None,
+                   iou_threshold=Prob, pred_key=Key, logits_key=Key | None, target_key=Key, instance_key=Key,
+                   every_n_steps=Count | None)
 
     def __init__(self, num_classes: int, ignore_index: int = -1, class_names: Sequence[str] | None = None,
                  iou_threshold: float = 0.5, pred_key: str = "instance_pred", logits_key: str | None = "seg_logits",

@@ -20,6 +20,7 @@ import torch
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import Count, Key, Real
 
 __all__ = ["angle_difference", "count_matches", "match_proposals", "f1_scores", "ProposalEvaluator"]
 
@@ -100,6 +101,8 @@ class ProposalEvaluator(EvaluatorBase):
     """
 
     metric_name = "f1"
+
+    domains = dict(angle_tolerance_deg=Real(0, 180, lo_open=True), every_n_steps=Count | None, prefix=Key)
 
     def __init__(self, angle_tolerance_deg: float = 10.0, every_n_steps: int | None = None, prefix: str = "val"):
         super().__init__(every_n_steps=every_n_steps, prefix=prefix)

@@ -29,6 +29,7 @@ import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
+from pimm.utils.domains import MAX_REAL, Count, Key, Real
 
 __all__ = ["RingGANEvaluator", "ring_image_stats"]
 
@@ -64,6 +65,8 @@ class RingGANEvaluator(EvaluatorBase):
 
     metric_name = "stat_gap"
     greater_is_better = False
+
+    domains = dict(image_key=Key, hit_threshold=Real(0, MAX_REAL), every_n_steps=Count | None)
 
     def __init__(self, image_key: str = "img", hit_threshold: float = 0.25, every_n_steps: int | None = None):
         super().__init__(every_n_steps=every_n_steps, log_images=0)

@@ -24,6 +24,7 @@ from pimm.engines.registries import HOOKS
 from pimm.evaluation.common import ClassesFromData, check_classes, resolve_class_names
 from pimm.evaluation.metrics import confusion_matrix, segmentation_scores
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import MAX_SIZE, Count, Int, Key, Names, Seq
 
 __all__ = ["SemSegEvaluator", "resolve_class_names", "format_score"]
 
@@ -85,6 +86,10 @@ class SemSegEvaluator(ClassesFromData, EvaluatorBase):
     """
 
     metric_name = "mIoU"
+
+    domains = dict(num_classes=Int(1, MAX_SIZE) | None, ignore_index=Int(-1, MAX_SIZE) | None,
+                   class_names=Names | None, logits_key=Key, target_key=Key, every_n_steps=Count | None,
+                   macro_ignore_class_ids=Seq(Int(0, MAX_SIZE)) | None, log_images=Int(0, 64))
 
     def __init__(self, num_classes: int | None = None, ignore_index: int | None = None,
                  class_names: Sequence[str] | None = None, logits_key: str = "seg_logits",

@@ -25,6 +25,7 @@ from .clustering import cluster_instances
 from .losses import build_criteria
 from .point_ops import offset2batch, scatter_mean
 from .segmentors import build_backbone
+from pimm.utils.domains import Count, Int, Length, MAX_SIZE, PosInt, Registered, Seq, Weight
 
 __all__ = ["PointGroupLite", "centroid_offset_loss", "cluster_instances", "instance_centroid_offsets",
            "make_offset_head"]
@@ -86,6 +87,12 @@ class PointGroupLite(nn.Module):
     ``segment`` and ``instance`` are given) and, in eval mode,
     ``instance_pred``.
     """
+
+    domains = dict(backbone=Registered("model"), num_classes=Int(1, MAX_SIZE),
+                   criteria=Seq(Registered("loss")) | None, grid_size=Length, offset_scale=Length,
+                   offset_weight=Weight, direction_weight=Weight, agree_radius=Length | Seq(Length, min_len=1),
+                   merge_radius=Length | Seq(Length, min_len=1), min_points=PosInt | Seq(PosInt, min_len=1),
+                   stuff_classes=Seq(Int(0, MAX_SIZE)), absorb_points=Count)
 
     def __init__(
         self,

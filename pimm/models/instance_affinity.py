@@ -44,6 +44,7 @@ from .instance import centroid_offset_loss, instance_centroid_offsets, make_offs
 from .losses import build_criteria
 from .point_ops import event_grid_coord, neighbor_pairs, offset2batch, voxelize
 from .segmentors import build_backbone
+from pimm.utils.domains import Int, Length, MAX_SIZE, PosInt, Prob, Registered, Seq, Size, Weight
 
 __all__ = ["PointGroupAffinity", "pair_affinity_logit", "affinity_pair_loss", "sample_partner_pairs"]
 
@@ -114,6 +115,13 @@ class PointGroupAffinity(nn.Module):
     ``loss`` (when ``segment`` and ``instance`` are given) and, in eval mode,
     ``instance_pred``.
     """
+
+    domains = dict(backbone=Registered("model"), num_classes=Int(1, MAX_SIZE),
+                   criteria=Seq(Registered("loss")) | None, grid_size=Length, offset_scale=Length,
+                   offset_weight=Weight, direction_weight=Weight, embed_dim=Size, vote_bandwidth=Length,
+                   affinity_weight=Weight, pairs_per_point=Int(1, 1024), agree_radius=Length | Seq(Length, min_len=1),
+                   fragment_affinity=Prob, merge_affinity=Prob, max_linkage_points=Int(1, 10**7), min_points=PosInt,
+                   stuff_classes=Seq(Int(0, MAX_SIZE)))
 
     def __init__(
         self,

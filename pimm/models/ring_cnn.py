@@ -17,6 +17,7 @@ from torch import nn
 
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import UserError
+from pimm.utils.domains import Choice, Int, MAX_SIZE, Real, Size
 
 __all__ = ["RingCNN", "ConvNormAct"]
 
@@ -63,6 +64,10 @@ class RingCNN(nn.Module):
     ``forward(input_dict)`` takes ``img`` (B,C,H,W) and optionally ``label`` (B,);
     returns ``cls_logits`` (B,num_classes) and, with labels, the cross-entropy ``loss``.
     """
+
+    domains = dict(in_channels=Size, num_classes=Int(1, MAX_SIZE), width=Size, depth=Int(1, 64),
+                   stem_stride=Int(1, 16), blocks_per_stage=Int(1, 64), norm=Choice("bn", "gn"),
+                   dropout=Real(0, 1, hi_open=True))
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from torch import nn
 
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import UserError
+from pimm.utils.domains import Int, Key, Positive, Seq, Size
 
 __all__ = ["RingGAN", "RingGenerator", "RingDiscriminator"]
 
@@ -101,6 +102,9 @@ class RingGAN(nn.Module):
             ``log1p`` charge images of ``CherenkovRingDataset`` peak around 5.6.
         image_key: the batch key of the real images.
     """
+
+    domains = dict(image_size=Seq(Int(4, 4096), length=2), channels=Int(1, 64), latent_dim=Size, width=Size,
+                   depth=Int(1, 16), max_value=Positive, image_key=Key)
 
     def __init__(self, image_size=(32, 64), channels: int = 1, latent_dim: int = 32, width: int = 16,
                  depth: int = 3, max_value: float = 6.0, image_key: str = "img"):

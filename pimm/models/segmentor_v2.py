@@ -22,6 +22,7 @@ from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
 from .losses import build_criteria
+from pimm.utils.domains import Int, MAX_SIZE, Registered, Seq, Size
 
 __all__ = ["DefaultSegmentorV2"]
 
@@ -40,6 +41,9 @@ class DefaultSegmentorV2(nn.Module):
         freeze_backbone: no gradients into the backbone, which stays in eval mode.
         mlp_head: Linear-ReLU-Dropout-Linear head instead of one Linear.
     """
+
+    domains = dict(num_classes=Int(1, MAX_SIZE), backbone_out_channels=Size, backbone=Registered("model") | None,
+                   criteria=Seq(Registered("loss")) | None)
 
     def __init__(self, num_classes: int, backbone_out_channels: int, backbone: dict | None = None,
                  criteria: Sequence[dict] | None = None, freeze_backbone: bool = False, mlp_head: bool = False):

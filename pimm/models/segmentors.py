@@ -19,6 +19,7 @@ from pimm.utils.errors import ConfigError
 
 from . import sparse_unet  # noqa: F401  (registers SparseUNet, the default backbone)
 from .losses import build_criteria
+from pimm.utils.domains import Int, MAX_SIZE, Registered, Seq
 
 __all__ = ["DefaultSegmentor", "build_backbone"]
 
@@ -48,6 +49,9 @@ class DefaultSegmentor(nn.Module):
     ``forward(input_dict)`` returns ``{"seg_logits": (N, num_classes)}`` and,
     when the batch holds ``segment``, a scalar ``"loss"``.
     """
+
+    domains = dict(backbone=Registered("model"), num_classes=Int(1, MAX_SIZE),
+                   criteria=Seq(Registered("loss")) | None)
 
     def __init__(self, backbone: dict, num_classes: int, criteria: Sequence[dict] | None = None):
         super().__init__()

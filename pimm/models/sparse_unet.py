@@ -27,6 +27,7 @@ from pimm.utils.errors import ConfigError
 from .point_ops import event_grid_coord, event_min, offset2batch, scatter_mean, voxelize
 from .sparse_maps import KernelMap, kernel_map_pyramid
 from .sparse_conv import SparseConv
+from pimm.utils.domains import Int, Length, same_length, Seq, Size
 
 __all__ = ["SparseConv", "SparseUNet"]
 
@@ -76,6 +77,10 @@ class SparseUNet(nn.Module):
 
     ``forward(input_dict)`` returns (N, ``out_channels``) point features.
     """
+
+    domains = dict(in_channels=Size, grid_size=Length, channels=Seq(Size, min_len=2), enc_blocks=Seq(Int(0, 64)),
+                   dec_blocks=Seq(Int(0, 64)), kernel_size=Int(1, 15))
+    domain_rules = (same_length('channels', 'enc_blocks', 'dec_blocks', offset=dict(dec_blocks=-1)),)
 
     def __init__(
         self,

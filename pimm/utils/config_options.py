@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 import difflib
 import re
 from typing import Any, Iterable
@@ -27,6 +28,10 @@ _NOT_PYTHON = {"true": "True", "false": "False", "none": "None", "null": "None"}
 
 
 _WORDS = {"true": True, "false": False, "null": None, "none": None}
+# Non-finite floats as YAML and Python's float() spell them: read as floats, so
+# that the numeric domains refuse them by name instead of a string slipping through.
+_FLOAT_WORDS = {"nan": math.nan, "inf": math.inf, "infinity": math.inf}
+_YAML_FLOATS = {".nan": math.nan, ".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf}
 
 
 class _Habits(ast.NodeTransformer):
@@ -37,6 +42,8 @@ class _Habits(ast.NodeTransformer):
     def visit_Name(self, node):
         if node.id in _WORDS:
             return ast.copy_location(ast.Constant(_WORDS[node.id]), node)
+        if node.id.lower() in _FLOAT_WORDS:
+            return ast.copy_location(ast.Constant(_FLOAT_WORDS[node.id.lower()]), node)
         return node
 
     def visit_Call(self, node):
@@ -56,7 +63,10 @@ def _literal_with_habits(text: str) -> Any:
 def parse_value(text: str, key: str = "value") -> Any:
     """A Python literal, or the text itself if it is a bare word such as
     ``exp/run1``; never evaluated as code. ``true``/``false``/``null`` and
-    ``dict(a=1)`` are read as ``True``/``False``/``None`` and ``{'a': 1}``."""
+    ``dict(a=1)`` are read as ``True``/``False``/``None`` and ``{'a': 1}``;
+    ``nan``, ``inf``, ``-inf`` (also YAML's ``.nan``, ``.inf``) as floats."""
+    if text.strip().lower() in _YAML_FLOATS:
+        return _YAML_FLOATS[text.strip().lower()]
     try:
         return ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -89,6 +99,10 @@ def parse_options(tokens: Iterable[str] | None) -> list[tuple[str, Any, bool]]:
         key, sep, text = str(token).partition("=")
         is_new = key.startswith("+")
         key = key[1:].strip() if is_new else key.strip()
+        if sep and key.endswith("+"):  # ``hooks+=[...]``: Hydra/shell habit for appending
+            name = key.rstrip("+").strip()
+            raise ConfigError(f"bad --options entry {token!r}: to append to the list {name} write "
+                              f"+{name}={text} (the '+' goes before the key); {name}={text} replaces it")
         if not sep or not key or "" in key.split("."):
             hint = "" if sep else " (quote values that contain spaces so they stay one word)"
             raise ConfigError(f"bad --options entry {token!r}: {_OPTION_FORM}{hint}")

@@ -25,6 +25,7 @@ although the constructor has no such parameter (``BUILDER_KEYS``: a hook's
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -76,6 +77,7 @@ def _matches(pattern: str, path: str) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=8192)
 def slot_registry(path: str) -> str | None:
     """The registry name a dict at ``path`` (list indices as numbers) is built from."""
     return next((name for pattern, name in SLOTS if _matches(pattern, path)), None)
@@ -181,7 +183,9 @@ def _slot_nodes(node: Any, pattern: list[str], path: str = "") -> Iterator[tuple
         yield path, node
         return
     head, rest = pattern[0], pattern[1:]
-    if isinstance(node, dict):
+    if isinstance(node, dict) and head not in ("*", "#") and head in node:
+        children = [(head, node[head])]  # a named key: looked up, not scanned
+    elif isinstance(node, dict):
         children = [(str(k), v) for k, v in node.items() if head == "*" or str(k) == head]
     elif isinstance(node, (list, tuple)) and head == "#":
         children = [(str(i), v) for i, v in enumerate(node)]

@@ -17,6 +17,7 @@ parameter is one line naming the nearest real one rather than Python's
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 import weakref
@@ -28,6 +29,12 @@ from .errors import RegistryError, UserError
 __all__ = ["Registry", "build_from_cfg", "registries", "parameters_of", "Parameters"]
 
 _LIVE: list[weakref.ref] = []  # every Registry ever made, in creation order
+_GENERATION = [0]  # bumped by every registration: caches of what registries hold key on it
+
+
+def generation() -> int:
+    """A number that changes whenever anything is registered (for caches)."""
+    return _GENERATION[0]
 
 
 def registries(name: str | None = None) -> list["Registry"]:
@@ -55,6 +62,18 @@ class Parameters:
 
 
 def _signature_parameters(target: Callable) -> Parameters:
+    try:  # a config is checked often (each --options entry, then whole): signatures are read once
+        return _signature_cached(target)
+    except TypeError:  # an unhashable callable
+        return _read_signature(target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature_cached(target: Callable) -> Parameters:
+    return _read_signature(target)
+
+
+def _read_signature(target: Callable) -> Parameters:
     try:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):  # builtins without a readable signature
@@ -95,6 +114,7 @@ class Registry:
         self.name = name
         self._modules: dict[str, Callable] = {}
         self._hints: dict[str, str] = {}
+        self._domains: dict[int, tuple[dict, tuple]] = {}  # id(module) -> (domains, rules), see register_module
         _LIVE.append(weakref.ref(self))
 
     def add_hint(self, name: str, hint: str) -> None:
@@ -131,16 +151,21 @@ class Registry:
                 )
         for name in names:
             self._modules[name] = module
+        _GENERATION[0] += 1
 
     def register_module(
         self,
         name: str | Iterable[str] | None = None,
         force: bool = False,
         module: Callable | None = None,
+        domains: dict | None = None,
+        rules: tuple = (),
     ):
         """Register ``module`` under its own name, or ``name`` (a string or a list of
         aliases). Use as ``@REG.register_module()``, ``@REG.register_module("Alias")``
-        or ``REG.register_module(module=cls)``."""
+        or ``REG.register_module(module=cls)``. ``domains``/``rules``: the
+        argument domains (:mod:`pimm.utils.domains`) of a class pimm does not
+        own or of a function, which cannot carry a ``domains`` attribute."""
         if callable(name) and module is None and not isinstance(name, str):
             # Bare ``@REG.register_module`` without parentheses.
             module, name = name, None
@@ -152,15 +177,24 @@ class Registry:
                 return [name]
             return list(name)
 
-        if module is not None:
-            self._add(module, names_for(module), force)
-            return module
-
-        def decorator(obj: Callable) -> Callable:
+        def add(obj: Callable) -> Callable:
             self._add(obj, names_for(obj), force)
+            if domains is not None or rules:
+                self._domains[id(obj)] = (dict(domains or {}), tuple(rules))
+                _GENERATION[0] += 1
             return obj
 
+        if module is not None:
+            return add(module)
+
+        def decorator(obj: Callable) -> Callable:
+            return add(obj)
+
         return decorator
+
+    def declared_domains(self, module: Callable) -> tuple[dict, tuple]:
+        """The domains and rules given to ``register_module`` for ``module`` (empty if none)."""
+        return self._domains.get(id(module), ({}, ()))
 
     def get(self, name: str) -> Callable:
         try:

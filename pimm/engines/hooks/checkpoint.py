@@ -15,6 +15,7 @@ from pimm.engines.registries import HOOKS
 from pimm.engines.state.manager import Retention
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import Choice, DictOf, PosInt, Positive, Seq, Steps, Text
 
 __all__ = ["CheckpointSaver", "CheckpointLoader"]
 
@@ -63,6 +64,9 @@ class CheckpointSaver(HookBase):
 
     # After evaluators (NORMAL) so the epoch-end checkpoint knows the new best.
     priority = "LOW"
+
+    domains = dict(save_freq=Steps, save_every_seconds=Positive | None, keep_last=PosInt, keep_every=Steps,
+                   time_check_every=PosInt, keep=Choice("best", "last", "all") | None, evaluator_every_n_steps=Steps)
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
@@ -149,6 +153,10 @@ class CheckpointLoader(HookBase):
     trainer restores every participant before any hook runs.)"""
 
     priority = "VERY_HIGH"
+
+    domains = dict(key_map=Seq(Seq(Text(empty=True), length=2), what="a list of (old_prefix, new_prefix) pairs"),
+                   keywords=Text(empty=True), replacement=Text(empty=True) | None,
+                   replacements=DictOf(Text(), Text(empty=True)) | None)
 
     def __init__(self, key_map=(), keywords="", replacement=None, replacements=None, strict=False):
         try:

@@ -39,6 +39,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
 from pimm.engines.optim_parts import all_optimizers
+from pimm.utils.domains import Choice, Count, Key, Names, NonNeg, Rule, Seq
 
 __all__ = ["EarlyStopping"]
 
@@ -58,6 +59,11 @@ class EarlyStopping(HookBase):
 
     # After EMAHook (ABOVE_NORMAL), which declares the directions of val_ema/*.
     priority = "BELOW_NORMAL"
+
+    domains = dict(monitor=Key | Names | None, mode=Choice("min", "max") | Seq(Choice("min", "max") | None) | None,
+                   patience=Count, min_delta=NonNeg)
+    domain_rules = (Rule(lambda a: not isinstance(a.mode, (list, tuple)) or (
+        isinstance(a.monitor, (list, tuple)) and len(a.mode) == len(a.monitor)), "mode", "one direction per monitor"),)
 
     def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 5,
                  min_delta: float = 0.0, stop_on_zero_lr: bool = False):

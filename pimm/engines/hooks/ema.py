@@ -47,6 +47,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import CheckpointError, ConfigError
+from pimm.utils.domains import Key, PosInt, Real
 
 __all__ = ["EMAHook", "ema_decay"]
 
@@ -84,6 +85,8 @@ class EMAHook(HookBase):
     # after_step: the average is updated before evaluators (NORMAL) score it
     # at the same step and before CheckpointSaver (LOW) saves it.
     priority = "ABOVE_NORMAL"
+
+    domains = dict(decay=Real(0, 1, lo_open=True, hi_open=True), update_every=PosInt, name=Key)
 
     def __init__(self, decay: float = 0.999, warmup: bool = True, update_every: int = 1, evaluate: bool = True,
                  export: bool = True, name: str = "ema"):

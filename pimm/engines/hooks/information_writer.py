@@ -17,6 +17,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.metrics import reduce_values
 from pimm.engines.registries import HOOKS
 from pimm.utils.logger import fit_line
+from pimm.utils.domains import Count, Int, PosInt
 
 __all__ = ["InformationWriter"]
 
@@ -38,6 +39,8 @@ class InformationWriter(HookBase):
         max_width: longest console line, in characters, the logger's time stamp
             included (at least 80).
     """
+    domains = dict(log_frequency=PosInt, max_extras=Count, max_width=Int(40, 10000))
+
     def __init__(self, log_frequency: int = 20, max_extras: int = 12, max_width: int = 160):
         for name, value, low in (("log_frequency", log_frequency, 1), ("max_extras", max_extras, 0),
                                  ("max_width", max_width, 80)):

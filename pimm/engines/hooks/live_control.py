@@ -78,6 +78,7 @@ from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import append_jsonl, read_jsonl
 from pimm.engines.optim_parts import single_optimizer_problem
+from pimm.utils.domains import FilePath, PosInt
 
 __all__ = ["LiveControl", "parse_control", "read_control_file", "AUDIT_FILE"]
 
@@ -95,6 +96,8 @@ class LiveControl(HookBase):
     # from step s + 1), before CheckpointSaver (LOW), so a checkpoint taken at
     # step s holds the change.
     priority = "BELOW_NORMAL"
+
+    domains = dict(poll_every=PosInt, file=FilePath)
 
     def __init__(self, poll_every: int = 10, file: str = "control.json"):
         if not _is_int(poll_every) or poll_every < 1:

@@ -26,6 +26,7 @@ from pimm.engines.registries import HOOKS
 from pimm.engines.scheduler import _GroupStateMixin, scale_lr
 from pimm.utils.errors import ConfigError
 from pimm.engines.optim_parts import single_optimizer_problem
+from pimm.utils.domains import Choice, Count, Key, LR, NonNeg, Real, Seq
 
 __all__ = ["ReduceLROnPlateau", "counts_for_plateau"]
 
@@ -73,6 +74,10 @@ class ReduceLROnPlateau(HookBase):
     # After EMAHook (ABOVE_NORMAL), which declares the directions of val_ema/*; before
     # CheckpointSaver (LOW), so a checkpoint taken after an evaluation holds the decision.
     priority = "BELOW_NORMAL"
+
+    domains = dict(monitor=Key, mode=Choice("min", "max") | None, factor=Real(0, 1, lo_open=True, hi_open=True),
+                   patience=Count, threshold=NonNeg, threshold_mode=Choice("rel", "abs"), cooldown=Count,
+                   min_lr=LR | Seq(LR))
 
     def __init__(self, monitor: str, mode: str | None = None, factor: float = 0.1, patience: int = 10,
                  threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0,

@@ -37,6 +37,7 @@ import torch
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils import comm
+from pimm.utils.domains import Choice, PosInt
 
 __all__ = ["NaNGuard", "NonFiniteStep"]
 
@@ -58,6 +59,8 @@ class NaNGuard(HookBase):
 
     # after_backward: after every hook that may change the gradients.
     priority = "VERY_LOW"
+
+    domains = dict(policy=Choice("skip", "stop"), max_consecutive_skips=PosInt)
 
     def __init__(self, policy: str = "skip", max_consecutive_skips: int = 5, check_gradients: bool = True):
         if policy not in _POLICIES:

@@ -32,6 +32,7 @@ from pimm.engines.registries import HOOKS
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.rng import fork_rng
+from pimm.utils.domains import PosInt, Signal
 
 __all__ = ["OnDemandValidation", "validate_on_demand"]
 
@@ -86,6 +87,8 @@ class OnDemandValidation(HookBase):
     # After the scheduled evaluators (an evaluation they just ran is not
     # repeated), before CheckpointSaver (LOW).
     priority = "BELOW_NORMAL"
+
+    domains = dict(signal=Signal(), check_every=PosInt)
 
     def __init__(self, signal: str = "SIGUSR1", check_every: int = 10):
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:

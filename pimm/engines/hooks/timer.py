@@ -7,6 +7,7 @@ import time
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
+from pimm.utils.domains import Count
 
 __all__ = ["IterationTimer"]
 
@@ -21,6 +22,8 @@ class IterationTimer(HookBase):
     count in it as often as they have occurred so far."""
     # Before the writers (NORMAL) so a log line at this step sees this step's timing.
     priority = "HIGH"
+
+    domains = dict(warmup_iter=Count)
 
     def __init__(self, warmup_iter: int = 1):
         if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int) or warmup_iter < 0:

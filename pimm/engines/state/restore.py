@@ -90,8 +90,11 @@ def restore_latest(manager: CheckpointManager, world_size: int, config_flat: dic
                 f"resume=True but no checkpoint in {manager.directory} can be used ({listing}). Nothing was "
                 "changed; to start from scratch anyway pass resume='allow_fresh' (the unusable ones are kept)"
             )
+        # A WARNING, not a refusal: the first job of a requeue chain passes resume=True into a new
+        # save_path on purpose; a typo in save_path must still be visible in the log.
         what = "holds no usable checkpoint" if manager.rejected else "holds no checkpoint"
-        logger.info(f"resume=True but {manager.directory} {what}: starting a fresh run")
+        logger.warning(f"resume=True but {manager.directory} {what}: starting a fresh run from step 0 (if you "
+                       "meant to continue a run, check save_path)")
         return None
 
     return restore_loaded(manager, loaded, world_size, config_flat, logger)

@@ -43,6 +43,7 @@ from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.logger import FILE_ONLY
 from pimm.utils.rng import derive_seed, fork_rng, seed_all
+from pimm.utils.domains import Anything, Bool, CollateFn, DictOf, PosInt
 
 __all__ = ["DefaultTrainer"]
 
@@ -69,6 +70,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
     :meth:`build_components`, :meth:`register_state`, :meth:`wire_hooks`.
     Testing is :class:`pimm.engines.testers.Tester`'s job, not a mode.
     """
+
+    domains = dict(hooks=Anything("the built hooks, passed by the launcher"), collate_fn=CollateFn,
+                   val_collate_fn=CollateFn, iters_per_epoch=PosInt | None, stop_check_every=PosInt,
+                   tracer=Anything("built by the launcher"),
+                   oom_backoff=Bool | DictOf(what="a dict like dict(max_splits=2)") | None)
 
     def __init__(self, cfg, hooks: list[HookBase] | None = None, collate_fn=None, val_collate_fn=None,
                  iters_per_epoch=None, find_unused_parameters: bool = False, stop_check_every: int = 10,

@@ -40,6 +40,7 @@ import torch
 from pimm.engines.registries import TRAINERS
 from pimm.engines.trainers.default import DefaultTrainer, batch_stats
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import Keys
 
 __all__ = ["GANTrainer"]
 
@@ -54,6 +55,8 @@ class GANTrainer(DefaultTrainer):
     """
 
     supports_optimizer_parts = True
+
+    domains = dict(order=Keys | None)
 
     def __init__(self, cfg, *args, order=None, find_unused_parameters: bool = True, **kwargs):
         self._order_option = order

@@ -64,6 +64,7 @@ from pimm.engines.trainers.grpo_state import RolloutCache, RolloutLoaderParticip
 from pimm.engines.trainers.grpo_upstream import UpstreamFormat, is_upstream_rollout
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
+from pimm.utils.domains import Choice, Count, Int, PosInt
 
 __all__ = ["GRPOTrainer", "DegenerateRewards", "split_rollout", "combine_micro_batch_metrics", "PimmFormat"]
 
@@ -140,6 +141,9 @@ class GRPOTrainer(DefaultTrainer):
     ``grad_accum_steps`` must be 1: accumulate over trajectories with
     ``trajectory_microbatch_size`` instead.
     """
+
+    domains = dict(policy_updates_per_rollout=PosInt, trajectory_microbatch_size=Count | None,
+                   torch_threads=Int(1, 4096) | None, step_per=Choice("update", "rollout"), reward_warn_after=Count)
 
     def __init__(self, cfg, policy_updates_per_rollout=1, trajectory_microbatch_size=None, sample_in_eval_mode=True,
                  torch_threads=None, step_per="update", reward_warn_after=10, **options):

@@ -15,6 +15,7 @@ from pimm.distributed.sampler import RatioSampler
 from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.registries import DATASETS, TRAINERS
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import NonNeg, PosInt, Seq
 
 __all__ = ["MultiDatasetTrainer"]
 
@@ -36,6 +37,8 @@ class MultiDatasetTrainer(DefaultTrainer):
         ratios: sampling weight of each data set (None: in proportion to size).
         samples_per_epoch: samples drawn per epoch (None: the data sets' total).
     """
+    domains = dict(ratios=Seq(NonNeg, min_len=1) | None, samples_per_epoch=PosInt | None)
+
     def __init__(self, cfg, ratios=None, samples_per_epoch=None, **options):
         self.ratios = ratios
         self.samples_per_epoch = samples_per_epoch

@@ -52,6 +52,7 @@ from ..instance import PointGroupLite, cluster_instances
 from ..point_ops import offset2batch, scatter_mean, scatter_sum
 from .objective import GRPOObjective, RolloutTotals, rollout_metrics
 from .reference import FrozenReference
+from pimm.utils.domains import Choice, DictOf, Int, Positive, Real, Seq, Size
 
 __all__ = ["ClusterRadiusPolicy", "RadiusHead", "event_features"]
 
@@ -139,6 +140,9 @@ class ClusterRadiusPolicy(PointGroupLite):
 
     # ``model.grpo.<key>`` options are checked against the objective (pimm.utils.config_slots).
     config_sections = {"grpo": GRPOObjective}
+
+    domains = dict(radius_scales=Seq(Positive, min_len=1), radius_kinds=Seq(Choice("agree", "merge"), min_len=1),
+                   num_generations=Int(2, 4096), hidden=Size, keep_bias=Real(-100, 100), grpo=DictOf() | None)
 
     def __init__(self, radius_scales: Sequence[float] = (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0),
                  radius_kinds: Sequence[str] = RADIUS_KINDS, num_generations: int = 8, hidden: int = 64,

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from pimm.utils.errors import ConfigError
+from pimm.utils.domains import Choice, Real, Rule
 
 __all__ = ["GRPOObjective", "RolloutTotals", "group_advantages", "k3_kl", "clipped_surrogate", "aggregate",
            "step_mean", "rollout_metrics", "SCALE_REWARDS", "LOSS_TYPES"]
@@ -234,6 +235,12 @@ class GRPOObjective:
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         advantage_eps: added to the std before dividing.
     """
+
+    domains = dict(epsilon=Real(0, 1, lo_open=True), epsilon_high=Real(0, 10, lo_open=True) | None, beta=Real(0, 100),
+                   scale_rewards=Choice(*SCALE_REWARDS), loss_type=Choice(*LOSS_TYPES), entropy_coef=Real(0, 100),
+                   advantage_eps=Real(0, 1))
+    domain_rules = (Rule(lambda a: a.epsilon_high is None or a.epsilon_high >= a.epsilon, "epsilon_high",
+                         "a value >= epsilon (the clip range is [1 - epsilon, 1 + epsilon_high])"),)
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                  scale_rewards: str = "group", loss_type: str = "dapo", entropy_coef: float = 0.0,

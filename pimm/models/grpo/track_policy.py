@@ -39,6 +39,7 @@ from pimm.utils.errors import ConfigError, UserError
 from ..point_ops import offset2batch, scatter_mean, scatter_sum
 from .objective import GRPOObjective, RolloutTotals, rollout_metrics
 from .reference import FrozenReference
+from pimm.utils.domains import DictOf, Int, MAX_SIZE, Positive, Real, Size
 
 __all__ = ["TrackProposalPolicy", "ProposalNet"]
 
@@ -116,6 +117,10 @@ class TrackProposalPolicy(nn.Module):
 
     # ``model.grpo.<key>`` options are checked against the objective (pimm.utils.config_slots).
     config_sections = {"grpo": GRPOObjective}
+
+    domains = dict(num_direction_bins=Int(1, 4096), num_classes=Int(1, MAX_SIZE), max_proposals=Int(1, 1024),
+                   num_generations=Int(2, 4096), angle_tolerance_deg=Real(0, 180, lo_open=True), hidden=Size,
+                   dedx_scale=Positive, stop_bias=Real(-100, 100), grpo=DictOf() | None)
 
     def __init__(self, num_direction_bins: int = 24, num_classes: int = 2, max_proposals: int = 4,
                  num_generations: int = 8, angle_tolerance_deg: float = 10.0, hidden: int = 32,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.utils.domains import Bool, Choice, Int, MAX_SIZE, NonNeg, Real, Seq, Weight
 from pimm.utils.errors import ConfigError
 
 from .base import LOSSES, legacy_reduction, zero_loss
@@ -55,6 +56,10 @@ class CrossEntropyLoss(nn.Module):
         loss_weight: factor on the result.
     """
 
+    domains = dict(weight=Seq(NonNeg, min_len=1) | None, size_average=Bool | None,
+                   reduce=Bool | None, reduction=Choice("mean", "sum", "none"),
+                   label_smoothing=Real(0, 1, hi_open=True), loss_weight=Weight, ignore_index=Int(-1, MAX_SIZE))
+
     def __init__(self, weight: Sequence[float] | None = None, size_average: bool | None = None,
                  reduce: bool | None = None, reduction: str = "mean", label_smoothing: float = 0.0,
                  loss_weight: float = 1.0, ignore_index: int = -1):
@@ -100,6 +105,10 @@ class FocalLoss(nn.Module):
         penalize_pred: index ``weight`` by the true class instead of the
             predicted one (upstream's name for it).
     """
+
+    domains = dict(weight=Seq(NonNeg, min_len=1) | None, size_average=Bool | None,
+                   reduce=Bool | None, reduction=Choice("mean", "sum", "none"),
+                   gamma=Real(0, 100), ignore_index=Int(-1, MAX_SIZE), loss_weight=Weight)
 
     def __init__(self, weight: Sequence[float] | None = None, size_average: bool | None = None,
                  reduce: bool | None = None, reduction: str = "mean", gamma: float = 2.0, ignore_index: int = -1,

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.utils.domains import Choice, Int, MAX_REAL, MAX_SIZE, Real, Weight
 from pimm.utils.errors import ConfigError
 
 from .base import LOSSES, drop_ignored, zero_loss
@@ -17,6 +18,9 @@ __all__ = ["DiceLoss"]
 class DiceLoss(nn.Module):
     """Soft multi-class Dice loss ``1 - mean_c (2 sum p*y + s) / (sum p + sum y + s)``
     over the classes present in the target (or all with ``classes="all"``)."""
+
+    domains = dict(smooth=Real(0, MAX_REAL), classes=Choice("present", "all"), ignore_index=Int(-1, MAX_SIZE),
+                   loss_weight=Weight)
 
     def __init__(self, smooth: float = 1.0, classes: str = "present", ignore_index: int = -1,
                  loss_weight: float = 1.0):

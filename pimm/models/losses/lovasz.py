@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from pimm.utils.domains import Choice, DictOf, Int, MAX_SIZE, NonNeg, Seq, Weight
 from pimm.utils.errors import ConfigError
 
 from .base import LOSSES, drop_ignored, split_events, zero_loss
@@ -90,6 +91,11 @@ class LovaszLoss(nn.Module):
         ignore_index: target value that takes no part (``None``: none ignored).
         loss_weight: factor on the result.
     """
+
+    domains = dict(mode=Choice("multiclass", "binary", "multilabel"), classes=Choice("present", "all"),
+                   class_seen=Int(0, MAX_SIZE) | Seq(Int(0, MAX_SIZE)) | None,
+                   class_weights=Seq(NonNeg, min_len=1) | DictOf(Int(0, MAX_SIZE), NonNeg) | None,
+                   ignore_index=Int(-1, MAX_SIZE) | None, loss_weight=Weight)
 
     def __init__(self, mode: str = "multiclass", classes: str = "present", class_seen=None, class_weights=None,
                  per_image: bool = False, ignore_index: int | None = -1, loss_weight: float = 1.0,

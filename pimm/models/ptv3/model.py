@@ -24,6 +24,8 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
+from pimm.utils.domains import MAX_COUNT, Choice, Int, Keys, Positive, Real, Seq, Size, same_length
+
 from .blocks import Block, PointModule, PointSequential, SubMConv3d
 from .pooling import GridPooling, GridUnpooling, SerializedPooling, SerializedUnpooling
 from .serialization import ORDERS
@@ -78,6 +80,17 @@ class _PTv3Base(PointModule):
     """Shared construction of both variants."""
 
     variant = ""
+    domains = dict(in_channels=Size, order=Choice(*ORDERS) | Seq(Choice(*ORDERS), min_len=1), stride=Seq(Int(1, 16)),
+                   enc_depths=Seq(Int(0, 64), min_len=1), enc_channels=Seq(Size), enc_num_head=Seq(Int(1, 1024)),
+                   enc_patch_size=Seq(Int(1, MAX_COUNT)), dec_depths=Seq(Int(0, 64)), dec_channels=Seq(Size),
+                   dec_num_head=Seq(Int(1, 1024)), dec_patch_size=Seq(Int(1, MAX_COUNT)),
+                   mlp_ratio=Real(0, 64, lo_open=True), qk_scale=Positive | None, attn_drop=Real(0, 1, hi_open=True),
+                   proj_drop=Real(0, 1, hi_open=True), drop_path=Real(0, 1, hi_open=True))
+    domain_rules = (same_length("enc_depths", "enc_channels", "enc_num_head", "enc_patch_size", "stride",
+                                offset=dict(stride=-1)),
+                    same_length("enc_depths", "dec_depths", "dec_channels", "dec_num_head", "dec_patch_size",
+                                offset=dict(dec_depths=-1, dec_channels=-1, dec_num_head=-1, dec_patch_size=-1),
+                                when=lambda a: not getattr(a, "cls_mode", False) and not getattr(a, "enc_mode", False)))
 
     def _check_options(self, order, stride, enc, dec, decoder: bool) -> None:
         orders = [order] if isinstance(order, str) else list(order)
@@ -154,6 +167,8 @@ class PointTransformerV3(_PTv3Base):
     is the width of its ``feat``.
     """
 
+    domains = dict(pdnorm_conditions=Keys)
+
     def __init__(self, in_channels=6, order=("z", "z-trans"), stride=(2, 2, 2, 2), enc_depths=(2, 2, 2, 6, 2),
                  enc_channels=(32, 64, 128, 256, 512), enc_num_head=(2, 4, 8, 16, 32),
                  enc_patch_size=(48, 48, 48, 48, 48), dec_depths=(2, 2, 2, 2), dec_channels=(64, 64, 128, 256),
@@ -199,6 +214,8 @@ class PointTransformerV3m2(_PTv3Base):
     """PT-v3m2 (Sonata's backbone): linear stem, grid pooling, optional
     layer scale, mask token, shared or first-layer-only CPE, encoder-only
     mode (see the module doc)."""
+
+    domains = dict(layer_scale=Positive | None, iso_k=Int(1, 1024), iso_r=Positive | None)
 
     def __init__(self, in_channels=6, order=("z", "z-trans"), stride=(2, 2, 2, 2), enc_depths=(2, 2, 2, 6, 2),
                  enc_channels=(32, 64, 128, 256, 512), enc_num_head=(2, 4, 8, 16, 32),
