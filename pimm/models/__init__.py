@@ -3,6 +3,6 @@
 from pimm.engines.registries import MODELS
 
 from . import (grpo, instance, instance_affinity, losses, ptv3, ring_cnn, ring_gan, segmentor_v2,  # noqa: F401
-               segmentors, sparse_unet)  # (register)
+               segmentors, sonata, sparse_unet)  # (register)
 
 __all__ = ["MODELS"]
