@@ -55,7 +55,13 @@ def sinkhorn_knopp(logits: torch.Tensor, temp: float, num_iter: int = 3) -> torc
     """Balanced soft assignments of ``logits`` (N, K) to the K prototypes:
     rows of the result sum to 1 and, over all ranks, every prototype receives
     the same total mass (SwAV / DINOv2 centering)."""
-    q = torch.exp(logits.float() / temp).t()  # (K, N)
+    scaled = logits.float() / temp
+    # One constant shift cancels in the first normalisation; it keeps exp finite
+    # (shared across ranks so every rank divides by the same total).
+    shift = scaled.max() if scaled.numel() else scaled.new_zeros(())
+    if _world_size() > 1:
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX)
+    q = torch.exp(scaled - shift).t()  # (K, N)
     k = q.shape[0]
     n, total = q.new_tensor(float(q.shape[1])), q.sum()
     if _world_size() > 1:
