@@ -60,7 +60,11 @@ class CheckpointSaver(HookBase):
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
-                 time_check_every: int = 10, async_write: bool = True, keep: str | None = None):
+                 time_check_every: int = 10, async_write: bool = True, keep: str | None = None,
+                 evaluator_every_n_steps: int | None = None):
+        # Upstream's name for "a checkpoint at every step-wise evaluation": saved
+        # every that many steps, the evaluators' best model tracked as usual.
+        self.evaluator_every_n_steps = _positive("evaluator_every_n_steps", evaluator_every_n_steps, integer=True)
         if keep is not None:
             if keep not in _NAMED_POLICIES:
                 raise ValueError(f"keep must be one of {', '.join(map(repr, _NAMED_POLICIES))} or None, got {keep!r}")
@@ -92,6 +96,7 @@ class CheckpointSaver(HookBase):
         checkpointer.retention = self.retention
         checkpointer.async_write = self.async_write
         trainer.align_data_snapshots(self.save_freq)
+        trainer.align_data_snapshots(self.evaluator_every_n_steps)  # several calls: the shortest interval wins
         if trainer.global_step > 0 and comm.is_main_process():  # resumed: leftovers follow this policy
             checkpointer.apply_retention()
         self._last_save = time.monotonic()
@@ -105,9 +110,10 @@ class CheckpointSaver(HookBase):
         return comm.any_rank(time.monotonic() - self._last_save >= self.save_every_seconds)
 
     def after_step(self):
-        """Save every ``save_freq`` steps or ``save_every_seconds``."""
+        """Save every ``save_freq`` steps, ``evaluator_every_n_steps`` steps or ``save_every_seconds``."""
         trainer = self.trainer
-        due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
+        due = ((self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
+               or (self.evaluator_every_n_steps and trainer.global_step % self.evaluator_every_n_steps == 0))
         # At the last step of an epoch the epoch-end save follows immediately.
         if due and trainer.iter < trainer.iters_per_epoch:
             self.save()
