@@ -444,7 +444,7 @@ def test_pretraining_resumes_exactly_after_kill(upstream_tree, tmp_path):
     crashed = tmp_path / "crashed"
     cfg_dir = root / "configs" / "panda" / "pretrain"
     killer = cfg_dir / "pretrain-sonata-kill.py"
-    killer.write_text('_base_ = ["pretrain-sonata.py"]\ncustom_imports = ["tests.support.toy"]\n'
+    killer.write_text(PRETRAIN + 'custom_imports = ["tests.support.toy"]\n'
                       'hooks = hooks + [dict(type="KillAtStep", step=3, wait_for_commit=True)]\n')
     common = (f"save_path={crashed}", f"data.train.data_root={data}", f"data.val.data_root={data}", *fast)
     assert run_tool("train", killer, *common, timeout=900).returncode == -9
