@@ -72,6 +72,7 @@ class WandbNamer(HookBase):
         return str(value)
 
     def name_for(self, cfg) -> str:
+        """The run name this config gets."""
         parts = [self._format(v) for v in (self._lookup(cfg, k) for k in self.keys) if v is not None]
         return self.sep.join(parts + [str(e) for e in self.extra])
 
@@ -176,6 +177,7 @@ class WeightDecayScheduler(HookBase):
         self.base_value, self.final_value, self.warmup_ratio = float(base_value), float(final_value), warmup_ratio
 
     def value(self, step: int, total_steps: int) -> float:
+        """The weight decay at 0-based ``step`` of a ``total_steps`` run."""
         length = max(1, int(total_steps * self.warmup_ratio))
         if step >= length:
             return self.final_value
@@ -288,6 +290,7 @@ class ResourceUtilizationLogger(HookBase):
 
     @staticmethod
     def system_memory_percent() -> float | None:
+        """Percent of the machine's memory in use (/proc/meminfo); None where unreadable."""
         try:
             info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
             total, available = (float(info[k].split()[0]) for k in ("MemTotal", "MemAvailable"))
