@@ -259,3 +259,16 @@ def test_multiplicative_jitter_and_center_shift():
     shifted = TRANSFORMS.build(dict(type="CenterShift", apply_z=False, axes=("x", "y", "z")))(dict(coord=coord))
     np.testing.assert_allclose(shifted["coord"], [[-5, -2, -4], [5, 2, 4]])
     assert coord[0, 0] == 0.0  # the input is not modified
+
+
+def test_training_without_model_hook_is_refused():
+    """Without ModelHook the teacher would silently stay at its initial weights."""
+    batch = collate_fn(events(1))
+    model = tiny_sonata(num_local_view=3)
+    model._forwards_since_update = 64
+    with pytest.raises(ConfigError, match="list dict\\(type='ModelHook'\\) in hooks"):
+        model(batch)
+    model.update_teacher()
+    with torch.no_grad():
+        model(batch)  # an evaluation pass does not count
+    assert model._forwards_since_update == 0

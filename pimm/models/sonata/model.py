@@ -51,7 +51,9 @@ from .schedules import WarmupCosine
 
 __all__ = ["Sonata"]
 
-_SCHEDULED = ("mask_size", "mask_ratio", "teacher_temp", "momentum", "mask_jitter")
+# More training passes than any gradient accumulation uses, with no EMA update
+# in between: the loop does not drive the model (no ModelHook).
+_MAX_FORWARDS_WITHOUT_UPDATE = 64
 
 
 @MODELS.register_module("Sonata-v1m1")
@@ -137,6 +139,7 @@ class Sonata(nn.Module, HookBase):
         #: detached features and logits in ``diagnostics`` for it.
         self.keep_diagnostics = False
         self.diagnostics: dict[str, torch.Tensor] = {}
+        self._forwards_since_update = 0
 
     def _check_widths(self, net: nn.Module, cfg: dict, head_in_channels: int) -> None:
         if not getattr(net, "enc_mode", True):
@@ -172,6 +175,7 @@ class Sonata(nn.Module, HookBase):
     @torch.no_grad()
     def update_teacher(self, momentum: float | None = None) -> None:
         """``teacher = m * teacher + (1 - m) * student`` over every parameter."""
+        self._forwards_since_update = 0
         m = self.momentum if momentum is None else momentum
         teacher = list(self.teacher.parameters())
         student = [p.detach() for name in self.teacher for p in self.student[name].parameters()]
@@ -216,6 +220,12 @@ class Sonata(nn.Module, HookBase):
         if missing:
             raise ConfigError(f"Sonata-v1m1: the batch has no {missing}; build the views with MultiViewGenerator "
                               "and Collect(global_feat_keys=..., local_feat_keys=...)")
+        if self.training and torch.is_grad_enabled():
+            self._forwards_since_update += 1
+            if self._forwards_since_update > _MAX_FORWARDS_WITHOUT_UPDATE:
+                raise ConfigError(f"Sonata-v1m1: {_MAX_FORWARDS_WITHOUT_UPDATE} training passes without a teacher "
+                                  "update: list dict(type='ModelHook') in hooks (it advances the schedules and the "
+                                  "EMA teacher)")
         grid_size = data_dict["grid_size"]
         grid_size = float(grid_size.flatten()[0]) if isinstance(grid_size, torch.Tensor) else float(grid_size)
 
