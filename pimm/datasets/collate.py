@@ -31,7 +31,10 @@ line up by event), 0-d tensors and Python/numpy numbers are stacked into a
 upstream pimm, every key containing ``offset`` holds per-event point counts
 (``Collect`` writes them; cumulative ones are turned back into counts) and
 comes out cumulative over the batch -- ``offset`` itself is always the
-cumulative point count -- and keys starting with ``_`` are left out.
+cumulative point count -- and keys starting with ``_`` are left out. A
+multi-view event (``MultiViewGenerator``: ``global_offset``, ``local_offset``
+and no ``coord`` / ``grid_coord`` / ``feat``) gets no ``offset``: its view
+offsets are the batch layout.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def collate_fn(batch: Sequence[dict]) -> dict:
             out[key] = torch.cumsum(torch.cat([_offset_counts(v) for v in values]), dim=0)
         else:
             out[key] = _collate_values(values)
+    if any(k.endswith("_offset") for k in keys) and not any(k in keys for k in ("coord", "grid_coord", "feat")):
+        return out  # multi-view events (MultiViewGenerator): each view kind has its own offsets
     counts = torch.tensor([_point_count(sample) for sample in batch], dtype=torch.long)
     out["offset"] = torch.cumsum(counts, dim=0)
     return out

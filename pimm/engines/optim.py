@@ -27,7 +27,7 @@ from pimm.engines.registries import OPTIMIZERS
 from pimm.utils.domains import LR, Bool, Prob, Real, Rule, Seq
 from pimm.utils.errors import ConfigError, RegistryError
 
-__all__ = ["build_optimizer"]
+__all__ = ["build_optimizer", "NO_DECAY_RULES"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +154,19 @@ def build_optimizer(
     ``param_dicts`` entries: ``keyword`` (required, substring of the parameter
     name, a leading ``module.`` from DDP ignored), then either ``lr`` (absolute
     group lr) or ``lr_scale`` (multiplies the base lr), plus any optimizer
-    option to override for that group. Parameters with ``requires_grad=False``
+    option to override for that group. ``cfg["no_weight_decay"]`` (a dict of
+    :data:`NO_DECAY_RULES` flags; upstream's ``WeightDecayExclusion`` hook sets
+    it) splits every group in two, its decayed parameters then the excluded
+    ones (``weight_decay=0``), so the layout stays fixed across runs. Parameters with ``requires_grad=False``
     are left out. Raises :class:`ConfigError` for bad entries and
     :class:`RegistryError` for an unknown type or option.
     """
     if not isinstance(cfg, dict) or "type" not in cfg:
         raise ConfigError(f"optimizer must be a dict(type=..., lr=..., ...), got {cfg!r}")
     cfg = dict(cfg)
+    no_decay = cfg.pop("no_weight_decay", None)
+    if no_decay is not None:
+        no_decay = _check_no_decay(no_decay)
     if "params" in cfg:
         raise ConfigError("optimizer.params is filled in from the model; remove it (use param_dicts for groups)")
     optim_cls = OPTIMIZERS.get(cfg["type"]) if isinstance(cfg["type"], str) else cfg["type"]
@@ -184,9 +190,11 @@ def build_optimizer(
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False); nothing to optimize")
 
     buckets: list[list[nn.Parameter]] = [[] for _ in range(len(entries) + 1)]
+    bucket_names: list[list[str]] = [[] for _ in range(len(entries) + 1)]
     for name, param in trainable:
         slot = next((i + 1 for i, e in enumerate(entries) if e["keyword"] in name), 0)
         buckets[slot].append(param)
+        bucket_names[slot].append(name)
 
     groups: list[dict] = [{"params": buckets[0], "name": "default"}]
     lr_scales: dict[int, float] = {}
@@ -204,6 +212,8 @@ def build_optimizer(
             lr_scales[index] = entry["lr_scale"]
         groups.append(group)
 
+    if no_decay is not None:
+        groups, lr_scales = _split_no_decay(groups, bucket_names, lr_scales, no_decay)
     optimizer = _construct(optim_cls, optim_name, groups, cfg)
     _check_group_values(optim_cls, entries, cfg)
 
@@ -218,3 +228,37 @@ def build_optimizer(
             )
         optimizer.param_groups[index]["lr"] = base_lr * scale
     return optimizer
+
+
+#: Rules of ``no_weight_decay``: which parameters get no weight decay.
+NO_DECAY_RULES = {
+    "bias": lambda name, p: name.endswith(".bias"),
+    "norm": lambda name, p: "norm" in name.lower(),
+    "gamma": lambda name, p: "gamma" in name.lower(),
+    "token": lambda name, p: "token" in name.lower(),
+    "ndim_1": lambda name, p: p.ndim == 1,
+}
+
+
+def _check_no_decay(rules: Any) -> tuple[str, ...]:
+    if not isinstance(rules, dict) or set(rules) - set(NO_DECAY_RULES):
+        raise ConfigError(f"optimizer no_weight_decay={rules!r}: give a dict of flags among {list(NO_DECAY_RULES)}")
+    return tuple(k for k, on in rules.items() if on)
+
+
+def _split_no_decay(groups: list[dict], names: list[list[str]], lr_scales: dict[int, float],
+                    rules: tuple[str, ...]) -> tuple[list[dict], dict[int, float]]:
+    """Each group becomes two (``<name>`` with ``apply_wd=True``, then
+    ``<name>/no_decay`` with ``weight_decay=0`` and ``apply_wd=False``), both
+    kept when empty so the group layout does not depend on the model."""
+    out, scales = [], {}
+    for index, (group, group_names) in enumerate(zip(groups, names)):
+        decay, excluded = [], []
+        for name, param in zip(group_names, group["params"]):
+            (excluded if any(NO_DECAY_RULES[r](name, param) for r in rules) else decay).append(param)
+        out.append({**group, "params": decay, "apply_wd": True})
+        out.append({**group, "params": excluded, "name": f"{group['name']}/no_decay", "weight_decay": 0.0,
+                    "apply_wd": False})
+        if index in lr_scales:
+            scales[2 * index] = scales[2 * index + 1] = lr_scales[index]
+    return out, scales

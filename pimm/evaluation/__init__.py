@@ -36,3 +36,7 @@ __all__ += ["ClsTester", "InsSegTester", "SemSegTester"]
 from .ring_gan import RingGANEvaluator  # noqa: E402  (registers the HOOKS entry)
 
 __all__ += ["RingGANEvaluator"]
+
+from .pretrain import FeatureStdMonitor, PretrainEvaluator, PrototypeUsageLogger  # noqa: E402  (registers HOOKS)
+
+__all__ += ["FeatureStdMonitor", "PretrainEvaluator", "PrototypeUsageLogger"]

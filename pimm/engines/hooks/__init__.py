@@ -15,8 +15,13 @@ from pimm.engines.hooks.on_demand import OnDemandValidation
 from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
 from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
+from pimm.engines.hooks.upstream_runtime import (CheckpointSaverIteration, DtypeOverrider, GradientNormLogger,
+                                                 ParameterCounter, ResourceUtilizationLogger, WandbNamer,
+                                                 WeightDecayExclusion, WeightDecayScheduler)
 
 __all__ = ["HookBase", "EvalRun", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
            "EvaluatorBase", "InformationWriter", "IterationTimer", "NaNGuard", "NonFiniteStep", "ProgressBar",
            "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation",
-           "ReduceLROnPlateau"]
+           "ReduceLROnPlateau", "CheckpointSaverIteration", "DtypeOverrider", "GradientNormLogger",
+           "ParameterCounter", "ResourceUtilizationLogger", "WandbNamer", "WeightDecayExclusion",
+           "WeightDecayScheduler"]

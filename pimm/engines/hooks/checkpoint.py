@@ -104,6 +104,7 @@ class CheckpointSaver(HookBase):
         checkpointer.retention = self.retention
         checkpointer.async_write = self.async_write
         trainer.align_data_snapshots(self.save_freq)
+        trainer.align_data_snapshots(self.evaluator_every_n_steps)  # several calls: the shortest interval wins
         if trainer.global_step > 0 and comm.is_main_process():  # resumed: leftovers follow this policy
             checkpointer.apply_retention()
         self._last_save = time.monotonic()

@@ -73,22 +73,14 @@ class FinalEvaluator(HookBase):
 
 
 _INSTEAD = {
-    "CheckpointSaverIteration": "CheckpointSaver(save_freq=N) saves every N steps",
     "SimulateCrash": "kill the process (e.g. tests/support/toy.py KillAtStep in pimm's own tests)",
-    "GradientNormLogger": "log_grad_norm=True logs train/grad_norm every step",
-    "DtypeOverrider": "enable_amp=True with amp_dtype='bfloat16' or 'float16'",
-    "ParameterCounter": "the trainer logs the number of trainable parameters at start-up",
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
     "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
-    "WandbNamer": "use_wandb=True with wandb_project, wandb_run_name (default: save_path's folder), wandb_group, ...",
-    "WeightDecayExclusion": "param_dicts=[dict(keyword='bias', weight_decay=0.0), ...]",
     "RuntimeProfiler": "structured_logging.enabled=True, then `pimm trace summarize RUN`",
     "GarbageHandler": "empty_cache=True / empty_cache_per_epoch=True",
-    "ResourceUtilizationLogger": "structured_logging.enabled=True (batch statistics, step phases per rank)",
 }
-for _name in ("LogitEntropyLogger", "PrototypeUsageLogger", "FeatureStdMonitor", "AttentionMaskAnnealingHook",
-              "EventLinearProbeEvaluator", "MAEEvaluator", "OnlineLinearProbe", "PretrainEvaluator",
-              "WeightDecayScheduler"):
+for _name in ("LogitEntropyLogger", "AttentionMaskAnnealingHook", "EventLinearProbeEvaluator", "MAEEvaluator",
+              "OnlineLinearProbe"):
     _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
                        "a hook of your own (docs/hooks.md)")
 for _name, _hint in _INSTEAD.items():

@@ -1,0 +1,324 @@
+"""Runtime hooks of upstream pimm's pre-training and fine-tuning configs
+that know nothing about the model or the data: run naming, parameter
+counts, weight-decay exclusion and schedule, dtype pinning, step-interval
+checkpoints, gradient norms and resource use.
+
+Scalars go through ``trainer.metrics`` (``metrics.jsonl``, TensorBoard,
+W&B) under upstream's names (``params/wd``, ``grad_norm/total``,
+``resources/...``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import resource
+import time
+
+import torch
+from torch import nn
+
+from pimm.engines.hooks.base import HookBase
+from pimm.engines.hooks.checkpoint import CheckpointSaver
+from pimm.engines.registries import HOOKS
+from pimm.utils.errors import ConfigError
+
+__all__ = ["WandbNamer", "ParameterCounter", "WeightDecayExclusion", "WeightDecayScheduler", "DtypeOverrider",
+           "CheckpointSaverIteration", "GradientNormLogger", "ResourceUtilizationLogger"]
+
+
+def _frequency(value, who: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{who}: log_frequency={value!r} must be a positive integer")
+    return value
+
+
+def _due(trainer, every: int) -> bool:
+    """True on the steps numbered ``every``, ``2 * every``, ... (1-based)."""
+    return (trainer.global_step + 1) % every == 0
+
+
+@HOOKS.register_module()
+class WandbNamer(HookBase):
+    """Set ``wandb_run_name`` from config values: the values of ``keys``
+    (dotted paths, e.g. ``data.train.max_len``; missing or None ones are
+    skipped) joined by ``sep``, then ``extra``. ``format_numbers`` writes
+    1000000 as ``1M``. A ``wandb_run_name`` already set (in the config or
+    with ``--options``) wins; upstream lets only the command line's win."""
+
+    def __init__(self, keys=(), sep: str = "-", format_numbers: bool = True, extra=None):
+        self.keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        self.sep, self.format_numbers = str(sep), bool(format_numbers)
+        self.extra = () if extra is None else (extra,) if isinstance(extra, str) else tuple(extra)
+
+    @staticmethod
+    def _lookup(cfg, path: str):
+        value = cfg
+        for part in path.split("."):
+            if isinstance(value, dict) and part in value:
+                value = value[part]
+            else:
+                return None
+        return value
+
+    def _format(self, value) -> str:
+        if self.format_numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+            for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+                if abs(value) >= size:
+                    return f"{value / size:.1f}".rstrip("0").rstrip(".") + suffix
+            return str(int(value)) if float(value).is_integer() else str(value)
+        return str(value)
+
+    def name_for(self, cfg) -> str:
+        """The run name this config gets."""
+        parts = [self._format(v) for v in (self._lookup(cfg, k) for k in self.keys) if v is not None]
+        return self.sep.join(parts + [str(e) for e in self.extra])
+
+    def modify_config(self, cfg) -> None:
+        if cfg.get("wandb_run_name"):
+            return
+        name = self.name_for(cfg)
+        if name:
+            cfg["wandb_run_name"] = name
+
+
+@HOOKS.register_module()
+class ParameterCounter(HookBase):
+    """Log the model's parameter count at start-up: total and trainable, then
+    one line per top-level module (``show_details``: per parameter tensor;
+    ``show_gradients``: whether it is trained), largest first when
+    ``sort_by_params``, skipping entries under ``min_params``."""
+
+    def __init__(self, show_details: bool = True, show_gradients: bool = True, sort_by_params: bool = True,
+                 min_params: int = 0):
+        self.show_details, self.show_gradients = bool(show_details), bool(show_gradients)
+        self.sort_by_params, self.min_params = bool(sort_by_params), int(min_params)
+
+    @staticmethod
+    def counts(model: nn.Module) -> dict[str, tuple[int, int]]:
+        """``{child name: (parameters, trainable)}`` over the model's direct children
+        (nested ``ModuleDict`` children such as ``student.backbone`` spelled out)."""
+        out: dict[str, tuple[int, int]] = {}
+        for name, param in model.named_parameters():
+            parts = name.split(".")
+            key = ".".join(parts[:2]) if len(parts) > 2 and isinstance(model.get_submodule(parts[0]),
+                                                                       nn.ModuleDict) else parts[0]
+            total, trained = out.get(key, (0, 0))
+            out[key] = (total + param.numel(), trained + (param.numel() if param.requires_grad else 0))
+        return out
+
+    def before_train(self) -> None:
+        model = self.trainer.model_without_ddp
+        log = self.trainer.logger.info
+        total = sum(p.numel() for p in model.parameters())
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log(f"ParameterCounter: {total:,} parameters, {trained:,} trainable")
+        if self.show_details:
+            rows = [(name, p.numel(), p.requires_grad) for name, p in model.named_parameters()]
+        else:
+            rows = [(name, n, t > 0) for name, (n, t) in self.counts(model).items()]
+        rows = [r for r in rows if r[1] >= self.min_params]
+        if self.sort_by_params:
+            rows.sort(key=lambda r: -r[1])
+        for name, n, trains in rows:
+            log(f"  {name}: {n:,}" + ((" (trained)" if trains else " (frozen)") if self.show_gradients else ""))
+
+
+@HOOKS.register_module()
+class WeightDecayExclusion(HookBase):
+    """No weight decay on biases, norms, ``gamma`` (layer scale), tokens and
+    1-D parameters (each rule switchable). Every optimizer group is split in
+    two when the optimizer is built (``optimizer.no_weight_decay``, see
+    :func:`pimm.engines.optim.build_optimizer`): its decayed parameters, then
+    the excluded ones with ``weight_decay=0``; a list ``max_lr`` of the
+    scheduler is widened to match (each group's value for both halves).
+    Splitting at build time, not at ``before_train`` as upstream does, keeps
+    the group layout the same for a resumed run."""
+
+    def __init__(self, exclude_bias_from_wd: bool = True, exclude_norm_from_wd: bool = True,
+                 exclude_gamma_from_wd: bool = True, exclude_token_from_wd: bool = True,
+                 exclude_ndim_1_from_wd: bool = True):
+        self.rules = dict(bias=bool(exclude_bias_from_wd), norm=bool(exclude_norm_from_wd),
+                          gamma=bool(exclude_gamma_from_wd), token=bool(exclude_token_from_wd),
+                          ndim_1=bool(exclude_ndim_1_from_wd))
+
+    def modify_config(self, cfg) -> None:
+        optimizer = cfg.get("optimizer")
+        if not isinstance(optimizer, dict) or any(isinstance(v, dict) and "type" in v for v in optimizer.values()):
+            raise ConfigError("WeightDecayExclusion needs one optimizer = dict(type=...); with several model parts "
+                              "use param_dicts=[dict(keyword='bias', weight_decay=0.0), ...] per part")
+        optimizer["no_weight_decay"] = dict(self.rules)
+        scheduler = cfg.get("scheduler")
+        if isinstance(scheduler, dict) and isinstance(scheduler.get("max_lr"), (list, tuple)):
+            scheduler["max_lr"] = [v for v in scheduler["max_lr"] for _ in (0, 1)]
+
+    def before_train(self) -> None:
+        groups = self.trainer.optimizer.param_groups
+        decayed = sum(len(g["params"]) for g in groups if g.get("apply_wd", True))
+        excluded = sum(len(g["params"]) for g in groups if not g.get("apply_wd", True))
+        self.trainer.logger.info(f"WeightDecayExclusion: {len(groups)} optimizer groups; {decayed} parameter tensors "
+                                 f"with weight decay, {excluded} without")
+
+
+@HOOKS.register_module()
+class WeightDecayScheduler(HookBase):
+    """Weight decay on a cosine from ``base_value`` to ``final_value`` over
+    ``warmup_ratio`` x the run's steps (then held), set before every step on
+    each optimizer group not excluded by :class:`WeightDecayExclusion`;
+    logged as ``params/wd``. A function of the step, so a resume continues it."""
+
+    priority = "HIGH"  # before the step's forward, after nothing that reads weight decay
+
+    def __init__(self, base_value: float = 0.04, final_value: float = 0.2, warmup_ratio: float = 1.0):
+        if not warmup_ratio > 0:
+            raise ConfigError(f"WeightDecayScheduler: warmup_ratio={warmup_ratio!r} must be positive")
+        self.base_value, self.final_value, self.warmup_ratio = float(base_value), float(final_value), warmup_ratio
+
+    def value(self, step: int, total_steps: int) -> float:
+        """The weight decay at 0-based ``step`` of a ``total_steps`` run."""
+        length = max(1, int(total_steps * self.warmup_ratio))
+        if step >= length:
+            return self.final_value
+        return self.final_value + 0.5 * (self.base_value - self.final_value) * (1 + math.cos(math.pi * step / length))
+
+    def before_step(self) -> None:
+        trainer = self.trainer
+        wd = self.value(trainer.global_step, trainer.iters_per_epoch * trainer.max_epoch)
+        for group in trainer.optimizer.param_groups:
+            if group.get("apply_wd", True):
+                group["weight_decay"] = wd
+        trainer.metrics.publish({"params/wd": wd}, step=trainer.global_step + 1)
+
+
+@HOOKS.register_module()
+class DtypeOverrider(HookBase):
+    """Run the modules whose class name matches one of ``class_patterns``
+    (regular expressions, e.g. ``LayerNorm``) in ``dtype`` under mixed
+    precision: their ``methods_to_override`` get their floating inputs cast to
+    ``dtype`` with autocast off; ``override_parameters`` casts their
+    parameters too. Upstream's guard for bfloat16 LayerNorms."""
+
+    _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+               "float16": torch.float16}
+
+    def __init__(self, class_patterns=("LayerNorm",), dtype: str = "float32", override_parameters: bool = True,
+                 methods_to_override=("forward",)):
+        if dtype not in self._DTYPES:
+            raise ConfigError(f"DtypeOverrider: dtype={dtype!r}; use one of {list(self._DTYPES)}")
+        self.patterns = [re.compile(p) for p in ((class_patterns,) if isinstance(class_patterns, str)
+                                                 else class_patterns)]
+        self.dtype, self.override_parameters = self._DTYPES[dtype], bool(override_parameters)
+        self.methods = (methods_to_override,) if isinstance(methods_to_override, str) else tuple(methods_to_override)
+        self.wrapped = 0
+
+    def _cast(self, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.dtype)
+        return value
+
+    def _wrap(self, method):
+        @functools.wraps(method)
+        def pinned(*args, **kwargs):
+            device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+            with torch.autocast(device_type=device, enabled=False):
+                return method(*[self._cast(a) for a in args], **{k: self._cast(v) for k, v in kwargs.items()})
+        return pinned
+
+    def before_train(self) -> None:
+        for module in self.trainer.model_without_ddp.modules():
+            if not any(p.search(type(module).__name__) for p in self.patterns):
+                continue
+            if self.override_parameters:
+                module.to(self.dtype)
+            for name in self.methods:
+                setattr(module, name, self._wrap(getattr(module, name)))
+            self.wrapped += 1
+        self.trainer.logger.info(f"DtypeOverrider: {self.wrapped} module(s) run in {self.dtype}")
+
+
+@HOOKS.register_module()
+class CheckpointSaverIteration(CheckpointSaver):
+    """Upstream's step-interval saver: :class:`CheckpointSaver` with
+    ``save_freq`` steps (the same resumable checkpoints)."""
+
+    def __init__(self, save_freq: int = 1000, **options):
+        super().__init__(save_freq=save_freq, **options)
+
+
+@HOOKS.register_module()
+class GradientNormLogger(HookBase):
+    """Every ``log_frequency`` steps: the total ``norm_type`` norm of the
+    gradients (before clipping) as ``<prefix>/total``; ``log_per_layer``
+    adds one per parameter (``<prefix>/layers/<name>``)."""
+
+    def __init__(self, norm_type: float = 2.0, log_per_layer: bool = False, log_frequency: int = 1,
+                 prefix: str = "grad_norm"):
+        self.norm_type, self.log_per_layer = float(norm_type), bool(log_per_layer)
+        self.log_frequency, self.prefix = _frequency(log_frequency, "GradientNormLogger"), prefix
+
+    def after_backward(self) -> None:
+        trainer = self.trainer
+        if not _due(trainer, self.log_frequency):
+            return
+        named = [(n, p.grad) for n, p in trainer.model_without_ddp.named_parameters() if p.grad is not None]
+        if not named:
+            return
+        scalars = {f"{self.prefix}/total": torch.nn.utils.get_total_norm([g for _, g in named], self.norm_type)}
+        if self.log_per_layer:
+            for name, grad in named:
+                scalars[f"{self.prefix}/layers/{name.replace('.', '_')}"] = torch.linalg.vector_norm(
+                    grad.float(), self.norm_type)
+        trainer.metrics.publish({k: v.detach() for k, v in scalars.items()}, step=trainer.global_step + 1)
+
+
+@HOOKS.register_module()
+class ResourceUtilizationLogger(HookBase):
+    """Every ``log_frequency`` steps under ``<prefix>/``: the process's CPU
+    use since the last log (``cpu_percent``, 100 = one core busy) and peak
+    resident memory (``process_rss_gb``); system memory in use
+    (``system_memory_percent``, from /proc/meminfo); per GPU, memory
+    allocated and reserved (``gpu<i>/allocated_gb``, ``gpu<i>/reserved_gb``)
+    or their sum over devices without ``log_per_gpu``."""
+
+    def __init__(self, log_frequency: int = 10, prefix: str = "resources", log_per_gpu: bool = True,
+                 log_cpu: bool = True, log_system_memory: bool = True):
+        self.log_frequency, self.prefix = _frequency(log_frequency, "ResourceUtilizationLogger"), prefix
+        self.log_per_gpu, self.log_cpu, self.log_system_memory = bool(log_per_gpu), bool(log_cpu), log_system_memory
+        self._last = (time.monotonic(), time.process_time())
+
+    @staticmethod
+    def system_memory_percent() -> float | None:
+        """Percent of the machine's memory in use (/proc/meminfo); None where unreadable."""
+        try:
+            info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+            total, available = (float(info[k].split()[0]) for k in ("MemTotal", "MemAvailable"))
+            return 100.0 * (1 - available / total)
+        except (OSError, KeyError, ValueError):
+            return None
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        if trainer.global_step % self.log_frequency:
+            return
+        p = self.prefix
+        scalars: dict[str, float] = {}
+        if self.log_cpu:
+            wall, cpu = time.monotonic(), time.process_time()
+            scalars[f"{p}/cpu_percent"] = 100.0 * (cpu - self._last[1]) / max(wall - self._last[0], 1e-9)
+            self._last = (wall, cpu)
+            scalars[f"{p}/process_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            scalars[f"{p}/cpu_count"] = float(os.cpu_count() or 0)
+        if self.log_system_memory and (percent := self.system_memory_percent()) is not None:
+            scalars[f"{p}/system_memory_percent"] = percent
+        if torch.cuda.is_available():
+            per = [(torch.cuda.memory_allocated(i) / 2**30, torch.cuda.memory_reserved(i) / 2**30)
+                   for i in range(torch.cuda.device_count())]
+            if self.log_per_gpu:
+                for i, (alloc, reserved) in enumerate(per):
+                    scalars[f"{p}/gpu{i}/allocated_gb"], scalars[f"{p}/gpu{i}/reserved_gb"] = alloc, reserved
+            else:
+                scalars[f"{p}/gpu/allocated_gb"] = sum(a for a, _ in per)
+                scalars[f"{p}/gpu/reserved_gb"] = sum(r for _, r in per)
+        trainer.metrics.publish(scalars, step=trainer.global_step)
