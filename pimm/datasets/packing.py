@@ -13,7 +13,7 @@ import torch
 from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
-from .transforms import _keys
+from .point_dict import _keys
 
 __all__ = ["ToTensor", "Collect"]
 
