@@ -25,16 +25,11 @@ import os
 import sys
 import traceback
 
+from pimm.tools.register import register_all  # the public name stays pimm.cli.register_all
+
 __all__ = ["main", "train_main", "test_main", "register_all"]
 
 EXIT_USAGE = 2
-
-
-def register_all() -> None:
-    """Import every package that registers data sets, transforms, models and evaluators."""
-    import pimm.datasets  # noqa: F401
-    import pimm.evaluation  # noqa: F401
-    import pimm.models  # noqa: F401
 
 
 def _launch(argv: list[str] | None, mode: str) -> int:

@@ -13,7 +13,7 @@ import torch
 from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
-from .transforms import _keys
+from .point_dict import _keys
 from pimm.utils.domains import DictOf, Key, Keys
 
 __all__ = ["ToTensor", "Collect"]

@@ -41,56 +41,22 @@ from pimm.utils.domains import (
     Choice, DictOf, Key, Keys, MAX_REAL, NonNeg, Pair, Positive, Prob, Real, Registered, Seq, Transforms,
 )
 
+from .packing import Collect, ToTensor  # noqa: F401  (registered there; re-exported)
+from .point_dict import _keys, _num_points, _require, index_points, point_keys
+from .voxelize import GridSample  # noqa: F401  (registered next to the other transforms; re-exported)
+
 __all__ = [
     "Compose", "Copy", "Update", "NormalizeCoord", "RandomRotate", "RandomFlip", "RandomJitter",
     "RandomScale", "ShufflePoint", "LogTransform", "ToTensor", "Collect", "index_points", "point_keys",
 ]
 
 _AXES = {"x": 0, "y": 1, "z": 2, 0: 0, 1: 1, 2: 2}
-# Bookkeeping entries whose length may equal the point count by coincidence.
-_NOT_PER_POINT = frozenset({"inverse", "index", "offset", "index_valid_keys"})
-
-
-def _num_points(data: dict) -> int:
-    if "coord" not in data:
-        raise UserError(f"point transforms need a 'coord' entry; the event has {sorted(data)}")
-    return len(data["coord"])
-
-
-def point_keys(data: dict) -> list[str]:
-    """The per-point entries of an event (see the module doc)."""
-    if "index_valid_keys" in data:
-        return [k for k in data["index_valid_keys"] if k in data]
-    n = _num_points(data)
-    return [k for k, v in data.items()
-            if isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim >= 1 and len(v) == n
-            and k not in _NOT_PER_POINT and not k.startswith("origin_")]
-
-
-def index_points(data: dict, index: np.ndarray) -> dict:
-    """A new event with every per-point entry indexed by ``index`` (select or
-    reorder points); the other entries are shared."""
-    out = dict(data)
-    for key in point_keys(data):
-        value = data[key]
-        out[key] = value[torch.as_tensor(index)] if isinstance(value, torch.Tensor) else value[index]
-    return out
 
 
 def _axis(axis: Any) -> int:
     if axis not in _AXES:
         raise UserError(f"axis {axis!r} is not one of 'x', 'y', 'z' (or 0, 1, 2)")
     return _AXES[axis]
-
-
-def _keys(keys: Any) -> tuple:
-    return tuple(keys) if isinstance(keys, (list, tuple)) else (keys,)
-
-
-def _require(data: dict, key: str, owner: str) -> Any:
-    if key not in data:
-        raise UserError(f"{owner}: the event has no {key!r} (keys: {sorted(data)})")
-    return data[key]
 
 
 def _range(value: Any, default: tuple, owner: str, name: str) -> tuple[float, float]:
@@ -388,9 +354,5 @@ class LogTransform:
                 out[key] = self._map(value, key).astype(np.float32)
         return out
 
-
-# Placed last: these modules import the helpers above.
-from .packing import Collect, ToTensor  # noqa: E402  (registered there)
-from .voxelize import GridSample  # noqa: E402  (registers it next to the other transforms)
 
 __all__ += ["GridSample"]

@@ -25,7 +25,7 @@ import numpy as np
 from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
-from .transforms import _require, index_points, point_keys
+from .point_dict import _require, index_points, point_keys
 from pimm.utils.domains import Choice, Keys, Length, Seq
 
 __all__ = ["GridSample", "fnv_hash", "ravel_hash"]

@@ -26,18 +26,17 @@ from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
 from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
-from pimm.engines.default_hooks import build_run_hooks, hook_order_lines
+from pimm.engines.default_hooks import hook_order_lines
+from pimm.engines.prepare import prepare_config  # noqa: F401  (also importable from here)
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
 from pimm.engines.run_records import apply_launch_command
-from pimm.engines.runtime import apply_runtime_defaults, check_required, check_runtime_domains, validate_runtime
+from pimm.engines.runtime import apply_runtime_defaults
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
 from pimm.utils.config import Config
 from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
-from pimm.utils.config_domains import check_config_domains
-from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.logger import FILE_ONLY, log_file, setup_logger
 from pimm.utils.run_lock import RunLock
 
@@ -115,27 +114,6 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     elif mode == "test" and not cfg.weight:
         raise ConfigError("tools/test.py needs the weights to evaluate: --options weight=PATH/model_best.pth")
     return cfg, hooks
-
-
-def prepare_config(cfg, world_size: int, mode: str = "train") -> list:
-    """Complete and check a config in place, in the one start-up order of the
-    command line and of a trainer built from Python (``DefaultTrainer(cfg)``):
-    the runtime defaults for keys it leaves out, the registry dicts, the hooks
-    (``default_hooks`` and the ``hooks`` list) built and each one's ``modify_config``, then validation of every runtime
-    key and of what ``mode`` ("train" or "test") cannot do without. Returns the
-    built hooks. Bad input is a ConfigError naming the key."""
-    if mode not in ("train", "test"):
-        raise ConfigError(f"mode must be 'train' or 'test', got {mode!r}")
-    apply_runtime_defaults(cfg)
-    check_registry_dicts(cfg)
-    check_runtime_domains(cfg)  # every declared domain, before anything is built
-    check_config_domains(cfg)
-    hooks = build_run_hooks(cfg)  # default_hooks, then the config's hooks list (docs/hooks.md)
-    for hook in hooks:
-        hook.modify_config(cfg)
-    validate_runtime(cfg, world_size)
-    check_required(cfg, mode)
-    return hooks
 
 
 def build_trainer(cfg, mode: str = "train", hooks=None, tracer=None):

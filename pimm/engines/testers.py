@@ -24,6 +24,7 @@ import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.parallel import full_parameters
+from pimm.engines.prepare import prepare_config
 from pimm.engines.registries import HOOKS, TRAINERS
 from pimm.engines.runtime import apply_process_settings
 from pimm.engines.trainers.builders import ComponentBuilders
@@ -49,7 +50,6 @@ class Tester(ComponentBuilders, TestScoring):
     def __init__(self, cfg, hooks=None, collate_fn=None, val_collate_fn=None, **train_options):
         self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
         if hooks is None:
-            from pimm.engines.launch import prepare_config
             hooks = prepare_config(cfg, self.world_size, mode="test")
         self.cfg = cfg
         self.logger = logging.getLogger("pimm")

@@ -28,7 +28,7 @@ import torch
 
 from pimm.engines.registries import MODELS
 from pimm.engines.state.weight_source import read_state_dict, resolve_weight_source
-from pimm.engines.state.weights import strip_wrapper_prefixes
+from pimm.engines.state.weight_file import strip_wrapper_prefixes
 from pimm.utils.config_dict import to_plain
 from pimm.utils.errors import CheckpointError, ConfigError, UserError
 
@@ -87,10 +87,10 @@ def _read_config_file(path: Path) -> dict:
 
 def _import_custom(config: dict, source: Path) -> None:
     """Import the ``custom_imports`` a JSON config names (a .py config does it itself)."""
-    from pimm.utils.config import IMPORTS_KEY, _as_names, _import_modules
+    from pimm.utils.config_imports import IMPORTS_KEY, as_names, import_modules
 
     if config.get(IMPORTS_KEY):
-        _import_modules(_as_names(config[IMPORTS_KEY], IMPORTS_KEY, str(source)), str(source))
+        import_modules(as_names(config[IMPORTS_KEY], IMPORTS_KEY, str(source)), str(source))
 
 
 def _model_config(config: Mapping, source: str) -> dict:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from .point_ops import neighbor_table, voxelize
+from .voxel_hash import neighbor_table, voxelize
 
 __all__ = [
     "KernelMap",

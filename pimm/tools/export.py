@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pimm.tools.register import register_all
 from pimm.utils.errors import UserError
 
 __all__ = ["main"]
@@ -46,9 +47,7 @@ def _weights(run: Path, choice: str) -> Path:
 
 def main(argv: list[str], prog: str = "pimm export") -> int:
     args = _parser(prog).parse_args(argv)
-    import pimm.cli
-
-    pimm.cli.register_all()
+    register_all()
     from pimm.models.pretrained import save_pretrained
 
     run = Path(args.run)

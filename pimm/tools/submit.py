@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.distributed.slurm_task import _PORT_BASE, _PORT_SPAN, NodeTask, append_record, torchrun_command
+from pimm.tools.register import register_all
 from pimm.utils.errors import UserError
 
 __all__ = ["main", "parse_time"]
@@ -136,7 +137,6 @@ def _load_config(config_file: str, options: list[str], world_size: int, check_sa
     """The config as tools/train.py would load it for ``world_size`` ranks (validated).
     ``check_save_path``: refuse a fresh run over an earlier one (not for ``--dry-run``,
     which prints the script whatever is on disk)."""
-    from pimm.cli import register_all
     from pimm.engines.launch import load_config
 
     register_all()  # the config may name any registered model, data set, evaluator

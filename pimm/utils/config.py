@@ -11,10 +11,8 @@ file reproduces the run. The user-facing rules are in ``docs/config.md``.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import os
-import sys
 import traceback
 import types
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any, Iterable
 
 from .config_dict import ConfigDict
 from .config_dump import _CONFIG_MODULE, _to_source
+from .config_imports import IMPORTS_KEY, as_names, import_modules
 # The option helpers stay importable from here (``from pimm.utils.config import parse_options``).
 from .config_options import apply_option, merge_options, parse_options, parse_value  # noqa: F401
 from .errors import ConfigError
@@ -32,7 +31,6 @@ __all__ = ["Config", "ConfigDict", "ConfigError"]
 BASE_KEY = "_base_"
 OPTIONS_HEADER = "# options: "
 DELETE_KEY = "_delete_"
-IMPORTS_KEY = "custom_imports"
 #: ``_base_ = "pimm://_base_/default_runtime.py"``: a config shipped inside the package.
 PACKAGE_SCHEME = "pimm://"
 PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -58,7 +56,7 @@ class Config(ConfigDict):
         # Pickle restores the items before this state, so a spawned worker that
         # receives the config re-imports the user modules and their registrations.
         source = self.filename or "unpickled config"
-        _import_modules(_as_names(self.get(IMPORTS_KEY), IMPORTS_KEY, source), source)
+        import_modules(as_names(self.get(IMPORTS_KEY), IMPORTS_KEY, source), source)
 
     @classmethod
     def fromfile(cls, path: str | os.PathLike) -> "Config":
@@ -138,10 +136,10 @@ def _load_file(path: Path, included_by: Path | None, chain: tuple[Path, ...]) ->
     namespace, bound = _execute(path)
     own = {k: v for k, v in namespace.items() if _is_config_key(k, v, bound)}
     if IMPORTS_KEY in own:
-        own[IMPORTS_KEY] = _as_names(own[IMPORTS_KEY], IMPORTS_KEY, path)
-        _import_modules(own[IMPORTS_KEY], path)
+        own[IMPORTS_KEY] = as_names(own[IMPORTS_KEY], IMPORTS_KEY, path)
+        import_modules(own[IMPORTS_KEY], path)
     merged: dict = {}
-    for base in _as_names(namespace.get(BASE_KEY), BASE_KEY, path):
+    for base in as_names(namespace.get(BASE_KEY), BASE_KEY, path):
         merged = _merge_layer(merged, _load_file(_base_path(base, path), path, (*chain, path)))
     return _merge_layer(merged, own)
 
@@ -216,42 +214,6 @@ def _is_config_key(name: str, value: Any, bound: tuple[set, set]) -> bool:
         return True
     # Star imports bind names the AST cannot see; classes/functions among them are helpers.
     return name not in imported and not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType))
-
-
-def _as_names(value: Any, key: str, source: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        value = [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) and str(v) for v in value):
-        return [os.fspath(v) for v in value]
-    raise ConfigError(f"{source}: {key} must be a string or a list of strings, got {value!r}")
-
-
-def _import_modules(names: list[str], source: Any) -> None:
-    for name in names:
-        try:
-            try:
-                importlib.import_module(name)
-            except ModuleNotFoundError as err:
-                # ``python tools/train.py`` puts tools/ first on sys.path, not the
-                # directory the user runs from; look there too when the module itself is missing.
-                cwd = os.getcwd()
-                missing_self = err.name and (name == err.name or name.startswith(err.name + "."))
-                if not missing_self or cwd in sys.path or "" in sys.path:
-                    raise
-                sys.path.append(cwd)
-                importlib.invalidate_caches()
-                importlib.import_module(name)
-        except ImportError as err:
-            raise ConfigError(
-                f"custom_imports in {source}: cannot import {name!r} ({err}); "
-                "make sure the module is on PYTHONPATH or in the current directory"
-            ) from err
-        except Exception as err:
-            raise ConfigError(
-                f"custom_imports in {source}: importing {name!r} failed: {type(err).__name__}: {err}"
-            ) from err
 
 
 def _strip_delete(value: Any) -> Any:

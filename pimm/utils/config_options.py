@@ -16,6 +16,7 @@ import re
 from typing import Any, Iterable
 
 from .config_dict import ConfigDict, to_config_value
+from .config_imports import IMPORTS_KEY, as_names, import_modules
 from .config_slots import check_registry_dicts, resolve, resolve_section, unknown_key_message
 from .errors import ConfigError, RegistryError
 
@@ -271,8 +272,6 @@ def merge_options(cfg: dict, tokens: Iterable[str] | None) -> None:
 def import_custom_modules(cfg: dict) -> None:
     """Import the modules of ``cfg["custom_imports"]`` (those an option added
     included), so the classes they register exist before types are checked."""
-    from .config import IMPORTS_KEY, _as_names, _import_modules
-
     if cfg.get(IMPORTS_KEY) is not None:
-        cfg[IMPORTS_KEY] = _as_names(cfg[IMPORTS_KEY], IMPORTS_KEY, "--options")
-        _import_modules(cfg[IMPORTS_KEY], "--options")
+        cfg[IMPORTS_KEY] = as_names(cfg[IMPORTS_KEY], IMPORTS_KEY, "--options")
+        import_modules(cfg[IMPORTS_KEY], "--options")

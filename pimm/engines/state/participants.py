@@ -17,7 +17,7 @@ import torch
 
 from pimm.engines.data import train_sampler
 from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
-from pimm.engines.state.weights import strip_wrapper_prefixes
+from pimm.engines.state.weight_file import strip_wrapper_prefixes
 from pimm.utils.errors import CheckpointError, ConfigError
 from pimm.utils.rng import capture_rng_state, restore_rng_state
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.engines.state.manager import MANIFEST
+from pimm.engines.state.weight_file import read_weights
 from pimm.utils.errors import CheckpointError, ConfigError
 
 __all__ = ["HF_SCHEME", "EXPORT_WEIGHT_NAMES", "WeightSource", "parse_hf_uri", "resolve_weight_source",
@@ -141,8 +142,6 @@ def read_state_dict(source: WeightSource) -> dict:
         from pimm.engines.state.convert import read_checkpoint_weights
 
         return read_checkpoint_weights(source.path)
-    from pimm.engines.state.weights import read_weights
-
     return read_weights(source.path)
 
 

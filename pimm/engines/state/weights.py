@@ -22,43 +22,12 @@ from pathlib import Path
 
 import torch
 
+from pimm.engines.state.weight_file import read_weights, strip_wrapper_prefixes
+from pimm.engines.state.weight_source import read_state_dict, resolve_weight_source
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
 
 __all__ = ["load_weights", "read_weights", "strip_wrapper_prefixes"]
-
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def strip_wrapper_prefixes(key: str) -> str:
-    """``key`` without the leading prefixes DDP (``module.``) and
-    ``torch.compile`` (``_orig_mod.``) add to a wrapped model's keys, in any order."""
-    while key.startswith(_WRAPPER_PREFIXES):
-        key = key.split(".", 1)[1]
-    return key
-
-
-def read_weights(path: str | Path) -> dict:
-    """The model state dict inside a weight file (a bare state dict, or one under
-    ``state_dict`` / ``model``)."""
-    path = Path(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"weight={str(path)!r}: no such file") from None
-    except Exception as err:
-        first = str(err).splitlines()[0] if str(err) else ""
-        raise CheckpointError(f"weight={str(path)!r} cannot be read as a torch weight file "
-                              f"({err.__class__.__name__}: {first})") from None
-    if isinstance(obj, dict):
-        for key in ("state_dict", "model"):
-            if isinstance(obj.get(key), dict):
-                return obj[key]
-        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-            return obj
-    raise CheckpointError(f"weight={str(path)!r} holds no model weights (expected a state_dict or a dict with "
-                          "'state_dict' or 'model')")
-
 
 def _short(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
@@ -76,8 +45,6 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
     model has no place for (``CheckpointLoader(strict=True)``: every tensor used).
     ``path`` is any form :mod:`pimm.engines.state.weight_source` resolves (a
     .pth or .safetensors file, a run, checkpoint or export folder, hf://...)."""
-    from pimm.engines.state.weight_source import read_state_dict, resolve_weight_source
-
     state = read_state_dict(resolve_weight_source(path))
     path = str(path)
     renamed = {}

@@ -1,0 +1,47 @@
+"""Reading one torch weight file into a state dict, and the wrapper prefixes
+(DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``) stripped from its keys.
+The bottom of the weight-loading stack: the checkpoint participants, the
+weight-source resolver and :mod:`pimm.engines.state.weights` all build on it,
+and it imports none of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pimm.utils.errors import CheckpointError
+
+__all__ = ["read_weights", "strip_wrapper_prefixes"]
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_wrapper_prefixes(key: str) -> str:
+    """``key`` without the leading prefixes DDP (``module.``) and
+    ``torch.compile`` (``_orig_mod.``) add to a wrapped model's keys, in any order."""
+    while key.startswith(_WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
+
+
+def read_weights(path: str | Path) -> dict:
+    """The model state dict inside a weight file (a bare state dict, or one under
+    ``state_dict`` / ``model``)."""
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"weight={str(path)!r}: no such file") from None
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise CheckpointError(f"weight={str(path)!r} cannot be read as a torch weight file "
+                              f"({err.__class__.__name__}: {first})") from None
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model"):
+            if isinstance(obj.get(key), dict):
+                return obj[key]
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return obj
+    raise CheckpointError(f"weight={str(path)!r} holds no model weights (expected a state_dict or a dict with "
+                          "'state_dict' or 'model')")
