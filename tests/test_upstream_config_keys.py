@@ -58,6 +58,17 @@ def test_hooks_override_reaches_a_base_configs_hooks(tmp_path):
     assert [h["keep_best"] for h in _of_type(cfg, "CheckpointSaver")] == [False, False]
 
 
+def test_hooks_override_reaches_a_hook_only_the_runtime_base_provides(tmp_path):
+    # cls-cnn's own hooks list holds no CheckpointSaver or LiveControl: they are named defaults.
+    child = tmp_path / "child.py"
+    child.write_text("_base_ = 'pimm://_base_/default_runtime.py'\nhooks = [dict(type='CheckpointSaver', save_freq=9)]\n"
+                     "hooks_override = dict(CheckpointSaver=dict(keep_last=4), LiveControl=dict(poll_every=7))\n")
+    cfg = Config.fromfile(child)
+    assert _of_type(cfg, "CheckpointSaver") == [dict(type="CheckpointSaver", save_freq=9, keep_last=4)]
+    assert cfg.default_hooks["live_control"]["poll_every"] == 7
+    assert cfg.default_hooks["checkpoint"]["keep_last"] == 2  # replaced by the list's saver: left alone
+
+
 @pytest.mark.parametrize("extra, message", [
     ("hooks_override = dict(CheckpointSaver=dict(save_frq=3))\n",
      r"hooks_override: .*no parameter 'save_frq'.*did you mean '.*save_freq'"),
@@ -75,8 +86,8 @@ def test_a_type_not_in_the_hooks_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == ["error: hooks_override: hook type 'WandbNamer' is not in the config's hooks (CheckpointLoader, "
-                     "CheckpointSaver, ClsEvaluator, InformationWriter); add dict(type='WandbNamer') to hooks or drop "
-                     "it from hooks_override"], done.stderr
+                     "CheckpointSaver, ClsEvaluator, InformationWriter, IterationTimer, LiveControl, OnDemandValidation, "
+                     "ProgressBar); add dict(type='WandbNamer') to hooks or drop it from hooks_override"], done.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -6,10 +6,13 @@ hooks a config inherits, by type, without copying the whole ``hooks`` list::
         SemSegEvaluator={"every_n_steps": 1000},   # dotted names reach nested dicts: "a.b"
     )
 
-Each entry sets those options on every hook of that type in ``hooks`` (and in
-``default_hooks`` when a config has such a list), exactly like ``--options
-hooks.CheckpointSaver.save_freq=500`` (the same checks: a misspelt option is an
-error naming the nearest parameter). It is applied when the file is loaded,
+Each entry sets those options on every hook of that type in ``hooks``,
+exactly like ``--options hooks.CheckpointSaver.save_freq=500`` (the same
+checks: a misspelt option is an error naming the nearest parameter). A type
+that only a named default provides (``default_hooks.checkpoint`` for
+``CheckpointSaver``, from the runtime base the config inherits) is set there,
+like ``--options default_hooks.checkpoint.save_freq=500``; a type in the
+``hooks`` list replaces its default, so the list's entry is the one edited. It is applied when the file is loaded,
 after its ``_base_`` chain and before ``--options`` (so the command line wins),
 and the key is then removed: ``config.py`` of a run holds the edited hooks.
 A type that is in none of those lists is an error, not a silent no-op.
@@ -25,13 +28,26 @@ from .errors import ConfigError
 __all__ = ["KEY", "apply_hooks_override"]
 
 KEY = "hooks_override"
-_HOOK_LISTS = ("hooks", "default_hooks")
 
 
 def _types(entries: Any) -> list[str]:
     if not isinstance(entries, (list, tuple)):
         return []
     return [e["type"] for e in entries if isinstance(e, dict) and isinstance(e.get("type"), str)]
+
+
+def _targets(cfg: dict) -> dict[str, list[str]]:
+    """Each hook type the config holds -> the option prefixes that reach it:
+    ``hooks.<Type>`` for the list, ``default_hooks.<name>`` for a named default
+    the list does not replace."""
+    listed = set(_types(cfg.get("hooks")))
+    targets: dict[str, list[str]] = {t: [f"hooks.{t}"] for t in listed}
+    defaults = cfg.get("default_hooks")
+    for name, entry in (defaults.items() if isinstance(defaults, dict) else ()):
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if isinstance(kind, str) and kind not in listed:
+            targets.setdefault(kind, []).append(f"default_hooks.{name}")
+    return targets
 
 
 def apply_hooks_override(cfg: dict) -> None:
@@ -43,21 +59,21 @@ def apply_hooks_override(cfg: dict) -> None:
         return
     if not isinstance(overrides, dict):
         raise ConfigError(f"{KEY} must be a dict(HookType=dict(option=value)), got {overrides!r}")
-    present = {name: _types(cfg.get(name)) for name in _HOOK_LISTS}
+    targets = _targets(cfg)
     for hook_type, options in overrides.items():
         if not isinstance(options, dict):
             raise ConfigError(f"{KEY}[{hook_type!r}] must be a dict of options, e.g. dict(save_freq=100), "
                               f"got {options!r}")
-        lists = [name for name, types in present.items() if hook_type in types]
-        if not lists:
-            listed = sorted({t for types in present.values() for t in types})
+        prefixes = targets.get(hook_type)
+        if not prefixes:
+            listed = sorted(targets)
             raise ConfigError(f"{KEY}: hook type {hook_type!r} is not in the config's hooks "
                               f"({', '.join(listed) or 'none'}); add dict(type={hook_type!r}) to hooks or drop it "
                               f"from {KEY}")
         for option, value in options.items():
-            for name in lists:
+            for prefix in prefixes:
                 try:
-                    apply_option(cfg, f"{name}.{hook_type}.{option}", value)
+                    apply_option(cfg, f"{prefix}.{option}", value)
                 except ConfigError as err:
                     err.args = (str(err).replace("--options ", f"{KEY}: ", 1),)
                     raise
