@@ -53,6 +53,14 @@ def declared_keys(names: Sequence[str] | str | None, owner: str, kind: str) -> t
     return names
 
 
+def own_targets(owner: str, positions, directions, vectors) -> dict[str, tuple[str, ...]]:
+    """A transform's ``aux_position_keys`` / ``aux_direction_keys`` /
+    ``aux_vector_keys`` arguments, checked, by kind."""
+    return {"position": declared_keys(positions, owner, "position"),
+            "direction": declared_keys(directions, owner, "direction"),
+            "vector": declared_keys(vectors, owner, "vector")}
+
+
 def _targets(data: dict, kind: str, own: tuple[str, ...], owner: str) -> list[str]:
     from_event = data.get(f"aux_{kind}_keys") or ()
     if isinstance(from_event, str):

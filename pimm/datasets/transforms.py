@@ -38,7 +38,7 @@ import torch
 from pimm.engines.registries import TRANSFORMS
 from pimm.utils.errors import UserError
 
-from .geometry_targets import declared_keys, move_targets
+from .geometry_targets import move_targets, own_targets
 
 __all__ = [
     "Compose", "Copy", "Update", "NormalizeCoord", "RandomRotate", "RandomFlip", "RandomJitter",
@@ -90,13 +90,6 @@ def _require(data: dict, key: str, owner: str) -> Any:
     if key not in data:
         raise UserError(f"{owner}: the event has no {key!r} (keys: {sorted(data)})")
     return data[key]
-
-
-def _own_targets(owner: str, positions, directions, vectors) -> dict[str, tuple[str, ...]]:
-    """A transform's ``aux_*_keys`` arguments (see :mod:`.geometry_targets`)."""
-    return {"position": declared_keys(positions, owner, "position"),
-            "direction": declared_keys(directions, owner, "direction"),
-            "vector": declared_keys(vectors, owner, "vector")}
 
 
 def _range(value: Any, default: tuple, owner: str, name: str) -> tuple[float, float]:
@@ -184,7 +177,7 @@ class NormalizeCoord:
     def __init__(self, center: str | Sequence[float] | None = None, scale: float | None = None,
                  mode: str = "sphere", aux_position_keys: Sequence[str] | None = None,
                  aux_direction_keys: Sequence[str] | None = None, aux_vector_keys: Sequence[str] | None = None):
-        self.targets = _own_targets("NormalizeCoord", aux_position_keys, aux_direction_keys, aux_vector_keys)
+        self.targets = own_targets("NormalizeCoord", aux_position_keys, aux_direction_keys, aux_vector_keys)
         if mode not in ("sphere", "box"):
             raise UserError(f"NormalizeCoord mode={mode!r}: use 'sphere' or 'box'")
         if isinstance(center, str) and center not in ("mean", "box"):
@@ -234,7 +227,7 @@ class RandomRotate:
                  axis: str = "z", always_apply: bool = False, p: float = 0.5,
                  aux_position_keys: Sequence[str] | None = None, aux_direction_keys: Sequence[str] | None = None,
                  aux_vector_keys: Sequence[str] | None = None):
-        self.targets = _own_targets("RandomRotate", aux_position_keys, aux_direction_keys, aux_vector_keys)
+        self.targets = own_targets("RandomRotate", aux_position_keys, aux_direction_keys, aux_vector_keys)
         if isinstance(center, bool):
             raise UserError(f"RandomRotate center={center!r}: give None (bounding-box centre) or a 3-vector")
         self.angle = _range(angle, (-1.0, 1.0), "RandomRotate", "angle")
@@ -277,7 +270,7 @@ class RandomFlip:
                  aux_position_keys: Sequence[str] | None = None, aux_direction_keys: Sequence[str] | None = None,
                  aux_vector_keys: Sequence[str] | None = None):
         self.p, self.axes = float(p), [_axis(a) for a in _keys(axes)]
-        self.targets = _own_targets("RandomFlip", aux_position_keys, aux_direction_keys, aux_vector_keys)
+        self.targets = own_targets("RandomFlip", aux_position_keys, aux_direction_keys, aux_vector_keys)
 
     def __call__(self, data: dict) -> dict:
         _require(data, "coord", "RandomFlip")
@@ -331,7 +324,7 @@ class RandomScale:
                  aux_position_keys: Sequence[str] | None = None, aux_direction_keys: Sequence[str] | None = None,
                  aux_vector_keys: Sequence[str] | None = None):
         self.scale, self.anisotropic = _range(scale, (0.95, 1.05), "RandomScale", "scale"), anisotropic
-        self.targets = _own_targets("RandomScale", aux_position_keys, aux_direction_keys, aux_vector_keys)
+        self.targets = own_targets("RandomScale", aux_position_keys, aux_direction_keys, aux_vector_keys)
 
     def __call__(self, data: dict) -> dict:
         factor = np.random.uniform(*self.scale, size=3 if self.anisotropic else 1)
