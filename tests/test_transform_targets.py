@@ -139,5 +139,9 @@ def test_targets_declared_as_arguments_and_bad_targets():
         RandomRotate(p=1.0, aux_position_keys=["primary_vertx"])(bare)
     with pytest.raises(UserError, match="'momentum_vec'.*3 components"):
         RandomFlip(p=1.0, aux_vector_keys=["momentum_vec"])(dict(coord=bare["coord"], momentum_vec=np.ones((5, 2))))
+    with pytest.raises(UserError, match="'primary_vertex' is declared both as a position and as a vector"):
+        RandomScale(aux_vector_keys=["primary_vertex"])(ev)
+    as_direction = RandomFlip(p=1.0, axes="x", aux_direction_keys=["vertex"])(bare)["vertex"]  # overrides the default
+    np.testing.assert_allclose(np.linalg.norm(as_direction[:4], axis=1), 1.0, rtol=1e-6)
     with pytest.raises(UserError, match="strings"):
         RandomScale(aux_direction_keys=[3])

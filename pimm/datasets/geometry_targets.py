@@ -10,8 +10,9 @@ event's regression targets point somewhere its points are not.
 Three kinds, as upstream pimm declares them:
 
 * **positions** get the whole affine map ``coord`` gets (centering,
-  translation, scale, rotation, flip). ``vertex`` always counts as one
-  (upstream's default); more are listed in ``aux_position_keys``.
+  translation, scale, rotation, flip). ``vertex`` counts as one when it
+  is (M, 3) and no list declares it otherwise (upstream's default); more
+  are listed in ``aux_position_keys``.
 * **directions** (``aux_direction_keys``) are unit vectors: only the linear
   part (rotation, flip) applies, and the result is renormalised.
 * **vectors** (``aux_vector_keys``) carry a magnitude (momentum in GeV): the
@@ -69,14 +70,8 @@ def _targets(data: dict, kind: str, own: tuple[str, ...], owner: str) -> list[st
     if missing:
         raise UserError(f"{owner}: aux_{kind}_keys names {missing}, which the event does not have "
                         f"(keys: {sorted(data)}); fix the name or drop it from the transform's arguments")
-    defaults = DEFAULT_POSITION_KEYS if kind == "position" else ()
-    names = [k for k in (*defaults, *from_event, *own) if k in data and data[k] is not None]
+    names = [k for k in (*from_event, *own) if k in data and data[k] is not None]
     return list(dict.fromkeys(names))  # once each, even when declared twice
-
-
-def _declared(data: dict, own: dict, key: str) -> bool:
-    return any(key in (own.get(kind, ()) or ()) or key in (data.get(f"aux_{kind}_keys") or ())
-               for kind in KINDS)
 
 
 def _is_rows_of_3(value) -> bool:
@@ -111,14 +106,22 @@ def move_targets(data: dict, out: dict, owner: str, own: dict[str, tuple[str, ..
     vectors (the map without translation or centering). ``None`` leaves that
     kind where it is (e.g. scaling does not turn a direction). ``own`` holds
     the transform's constructor lists by kind."""
-    for kind in KINDS:
+    by_kind = {kind: _targets(data, kind, own.get(kind, ()), owner) for kind in KINDS}
+    seen: dict[str, str] = {}
+    for kind, names in by_kind.items():
+        for key in names:
+            if key in seen:
+                raise UserError(f"{owner}: {key!r} is declared both as a {seen[key]} and as a {kind} target; "
+                                "a target moves one way: keep it in one of the aux_*_keys lists")
+            seen[key] = kind
+    # Upstream's default position, ``vertex``, when no list declares it otherwise and it is (M, 3).
+    by_kind["position"][:0] = [k for k in DEFAULT_POSITION_KEYS
+                               if k not in seen and data.get(k) is not None and _is_rows_of_3(data[k])]
+    for kind, names in by_kind.items():
         fn = affine if kind == "position" else linear
-        names = _targets(data, kind, own.get(kind, ()), owner)
         if fn is None:
             continue
         for key in names:
-            if key == "vertex" and not _declared(data, own, key) and not _is_rows_of_3(data[key]):
-                continue  # the undeclared default ``vertex`` moves only when it is (M, 3), as upstream
             # Upstream moves every row of a declared position; only ``vertex`` uses the sentinel.
             sentinel = kind != "position" or key == "vertex"
             out[key] = _apply_rows(data[key], key, owner, fn, keep_sentinel=sentinel,
