@@ -252,7 +252,8 @@ def test_transform_pipeline_is_applied():
         dict(type="LogTransform"), dict(type="ToTensor"),
         dict(type="Collect", keys=("coord", "segment"), feat_keys=("coord", "energy"))])
     out = ds[0]
-    assert set(out) == {"coord", "segment", "feat"}
+    assert set(out) == {"coord", "segment", "feat", "offset"}  # Collect adds the point count, as upstream
+    assert out["offset"].tolist() == [len(out["coord"])]
     assert isinstance(out["feat"], torch.Tensor) and out["feat"].shape[1] == 4
 
 

@@ -250,7 +250,9 @@ def test_to_tensor_follows_upstream_dtype_rules():
 def test_collect_groups_offsets_and_errors():
     ev = ToTensor()(make_event(6))
     out = Collect(keys=("coord", "segment"), feat_keys=("coord", "energy"), extra_keys=("instance",))(ev)
-    assert set(out) == {"coord", "segment", "feat", "extra"}
+    assert set(out) == {"coord", "segment", "feat", "extra", "offset"}  # offset by default, as upstream
+    assert out["offset"].tolist() == [6]
+    assert "offset" not in Collect(keys="coord", offset_keys_dict={})(ev)  # a given dict replaces the default
     assert out["feat"].shape == (6, 4) and out["feat"].dtype == torch.float32
     torch.testing.assert_close(out["feat"][:, 3], ev["energy"][:, 0])
     assert out["extra"].shape == (6, 1)

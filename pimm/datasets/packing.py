@@ -55,15 +55,17 @@ class Collect:
     "origin_coord"}``), which the collate function turns into cumulative
     offsets. Works on numpy arrays and tensors.
 
-    Upstream always adds ``offset`` (from ``coord``) here; pimm's collate
-    functions derive the batch ``offset`` from the points themselves, so it is
-    only stored when ``offset_keys_dict`` asks for it -- batches are the same."""
+    ``offset_keys_dict=None`` (the default) means ``{"offset": "coord"}``, as
+    upstream: every collected event carries its point count as ``offset``. A
+    dict given replaces that default (upstream's rule), so ``{}`` collects no
+    count; the collate functions build the batch ``offset`` from the points
+    either way."""
 
     domains = dict(keys=Key | Keys, offset_keys_dict=DictOf(Key, Key) | None, feat_keys=Key | Keys)
 
     def __init__(self, keys: Sequence[str] | str, offset_keys_dict: dict | None = None, **kwargs):
         self.keys = _keys(keys)
-        self.offset_keys = dict(offset_keys_dict or {})
+        self.offset_keys = {"offset": "coord"} if offset_keys_dict is None else dict(offset_keys_dict)
         self.groups = {}
         for name, group in kwargs.items():
             if not name.endswith("_keys"):

@@ -45,6 +45,8 @@ from .packing import Collect, ToTensor  # noqa: F401  (registered there; re-expo
 from .point_dict import _keys, _num_points, _require, index_points, point_keys
 from .voxelize import GridSample  # noqa: F401  (registered next to the other transforms; re-exported)
 
+from .geometry_targets import move_targets, own_targets
+
 __all__ = [
     "Compose", "Copy", "Update", "NormalizeCoord", "RandomRotate", "RandomFlip", "RandomJitter",
     "RandomScale", "ShufflePoint", "LogTransform", "ToTensor", "Collect", "index_points", "point_keys",
@@ -141,13 +143,20 @@ class NormalizeCoord:
     (``mode="sphere"``, upstream's only mode: result inside the unit ball) or
     the largest half-side of the bounding box (``mode="box"``: inside
     [-1, 1]^3); a number divides by that value, which keeps sizes comparable
-    across events (PILArNet: ``center=[384]*3``, ``scale=768*sqrt(3)/2``)."""
+    across events (PILArNet: ``center=[384]*3``, ``scale=768*sqrt(3)/2``).
+
+    Position targets (``vertex`` and ``aux_position_keys``) get the same
+    ``(p - center) / scale``; directions and vectors keep theirs (see
+    :mod:`pimm.datasets.geometry_targets`)."""
 
     domains = dict(center=Choice("mean", "box") | Seq(Real(-MAX_REAL), length=3) | None, scale=Positive | None,
-                   mode=Choice("sphere", "box"))
+                   mode=Choice("sphere", "box"),
+                   aux_position_keys=Keys | None, aux_direction_keys=Keys | None, aux_vector_keys=Keys | None)
 
     def __init__(self, center: str | Sequence[float] | None = None, scale: float | None = None,
-                 mode: str = "sphere"):
+                 mode: str = "sphere", aux_position_keys: Sequence[str] | None = None,
+                 aux_direction_keys: Sequence[str] | None = None, aux_vector_keys: Sequence[str] | None = None):
+        self.targets = own_targets("NormalizeCoord", aux_position_keys, aux_direction_keys, aux_vector_keys)
         if mode not in ("sphere", "box"):
             raise UserError(f"NormalizeCoord mode={mode!r}: use 'sphere' or 'box'")
         if isinstance(center, str) and center not in ("mean", "box"):
@@ -173,8 +182,10 @@ class NormalizeCoord:
             s = np.sqrt((coord**2).sum(1)).max()
         else:
             s = np.abs(coord).max()
+        s = s if s > 0 else 1.0
         out = dict(data)
-        out["coord"] = (coord / (s if s > 0 else 1.0)).astype(np.float32)
+        out["coord"] = (coord / s).astype(np.float32)
+        move_targets(data, out, "NormalizeCoord", self.targets, affine=lambda p: (p - c) / s, linear=None)
         return out
 
 
@@ -183,13 +194,23 @@ class RandomRotate:
     """With probability ``p`` (1 when ``always_apply``), rotate ``coord`` (and
     ``normal``) about ``axis`` by an angle drawn uniformly from ``angle``, in
     multiples of pi (``None``: ``[-1, 1]``, any angle), around ``center``
-    (``None``: the bounding-box centre; else a fixed point)."""
+    (``None``: the bounding-box centre; else a fixed point).
+
+    The turn is right-handed about every axis (a positive angle about ``y``
+    takes ``z`` towards ``x``), as upstream. Position targets (``vertex``,
+    ``aux_position_keys``) turn about the same centre; directions and
+    vectors (``aux_direction_keys``, ``aux_vector_keys``) turn about the
+    origin, directions renormalised (see :mod:`pimm.datasets.geometry_targets`)."""
 
     domains = dict(angle=Pair(Real(-360, 360)) | None, center=Seq(Real(-MAX_REAL), length=3) | None,
-                   axis=Choice("x", "y", "z"), p=Prob)
+                   axis=Choice("x", "y", "z"), p=Prob,
+                   aux_position_keys=Keys | None, aux_direction_keys=Keys | None, aux_vector_keys=Keys | None)
 
     def __init__(self, angle: Sequence[float] | None = None, center: Sequence[float] | None = None,
-                 axis: str = "z", always_apply: bool = False, p: float = 0.5):
+                 axis: str = "z", always_apply: bool = False, p: float = 0.5,
+                 aux_position_keys: Sequence[str] | None = None, aux_direction_keys: Sequence[str] | None = None,
+                 aux_vector_keys: Sequence[str] | None = None):
+        self.targets = own_targets("RandomRotate", aux_position_keys, aux_direction_keys, aux_vector_keys)
         if isinstance(center, bool):
             raise UserError(f"RandomRotate center={center!r}: give None (bounding-box centre) or a 3-vector")
         self.angle = _range(angle, (-1.0, 1.0), "RandomRotate", "angle")
@@ -202,7 +223,9 @@ class RandomRotate:
             return data
         theta = np.random.uniform(*self.angle) * np.pi
         c, s = np.cos(theta), np.sin(theta)
-        i, j = [a for a in range(3) if a != self.axis]
+        # (i, j) in cyclic order after the axis -- x: (y, z), y: (z, x), z: (x, y) -- so that
+        # i turns towards j for a positive angle about every axis.
+        i, j = (self.axis + 1) % 3, (self.axis + 2) % 3
         rot = np.eye(3)
         rot[i, i], rot[i, j], rot[j, i], rot[j, j] = c, -s, s, c
         coord = np.asarray(_require(data, "coord", "RandomRotate"), dtype=np.float64)
@@ -212,6 +235,8 @@ class RandomRotate:
             origin = (coord.min(0) + coord.max(0)) / 2 if len(coord) else np.zeros(3)
         out = dict(data)
         out["coord"] = ((coord - origin) @ rot.T + origin).astype(np.float32)
+        move_targets(data, out, "RandomRotate", self.targets,
+                     affine=lambda q: (q - origin) @ rot.T + origin, linear=lambda d: d @ rot.T)
         if "normal" in data:
             out["normal"] = (np.asarray(data["normal"], dtype=np.float64) @ rot.T).astype(np.float32)
         return out
@@ -220,22 +245,34 @@ class RandomRotate:
 @TRANSFORMS.register_module()
 class RandomFlip:
     """Mirror through the origin plane: for each of ``axes`` independently,
-    with probability ``p``, negate that column of ``coord`` (and ``normal``)."""
+    with probability ``p``, negate that column of ``coord`` (and ``normal``).
+    Position, direction and vector targets (``vertex``, ``aux_*_keys``; see
+    :mod:`pimm.datasets.geometry_targets`) are mirrored the same way."""
 
-    domains = dict(p=Prob, axes=Choice("x", "y", "z") | Seq(Choice("x", "y", "z")))
+    domains = dict(p=Prob, axes=Choice("x", "y", "z") | Seq(Choice("x", "y", "z")),
+                   aux_position_keys=Keys | None, aux_direction_keys=Keys | None, aux_vector_keys=Keys | None)
 
-    def __init__(self, p: float = 0.5, axes: Sequence[str] | str = ("x", "y")):
+    def __init__(self, p: float = 0.5, axes: Sequence[str] | str = ("x", "y"),
+                 aux_position_keys: Sequence[str] | None = None, aux_direction_keys: Sequence[str] | None = None,
+                 aux_vector_keys: Sequence[str] | None = None):
         self.p, self.axes = float(p), [_axis(a) for a in _keys(axes)]
+        self.targets = own_targets("RandomFlip", aux_position_keys, aux_direction_keys, aux_vector_keys)
 
     def __call__(self, data: dict) -> dict:
+        _require(data, "coord", "RandomFlip")
         out = dict(data)
         targets = [k for k in ("coord", "normal") if k in data]
         for k in targets:
             out[k] = np.array(data[k], dtype=np.float32)
+        signs = np.ones(3)
         for a in self.axes:
             if np.random.rand() < self.p:
+                signs[a] = -signs[a]
                 for k in targets:
                     out[k][:, a] = -out[k][:, a]
+        if (signs < 0).any():
+            mirror = lambda v: v * signs  # noqa: E731  (a flip is its own linear and affine part)
+            move_targets(data, out, "RandomFlip", self.targets, affine=mirror, linear=mirror)
         return out
 
 
@@ -266,17 +303,25 @@ class RandomJitter:
 @TRANSFORMS.register_module()
 class RandomScale:
     """Multiply ``coord`` by a factor drawn uniformly from ``scale`` (``None``:
-    ``[0.95, 1.05]``), one per axis when ``anisotropic``, about the origin."""
+    ``[0.95, 1.05]``), one per axis when ``anisotropic``, about the origin.
+    Position targets (``vertex``, ``aux_position_keys``) are scaled too;
+    directions and vectors are not, as upstream (even an anisotropic factor
+    leaves them: see :mod:`pimm.datasets.geometry_targets`)."""
 
-    domains = dict(scale=Pair(Positive) | None)
+    domains = dict(scale=Pair(Positive) | None,
+                   aux_position_keys=Keys | None, aux_direction_keys=Keys | None, aux_vector_keys=Keys | None)
 
-    def __init__(self, scale: Sequence[float] | None = None, anisotropic: bool = False):
+    def __init__(self, scale: Sequence[float] | None = None, anisotropic: bool = False,
+                 aux_position_keys: Sequence[str] | None = None, aux_direction_keys: Sequence[str] | None = None,
+                 aux_vector_keys: Sequence[str] | None = None):
         self.scale, self.anisotropic = _range(scale, (0.95, 1.05), "RandomScale", "scale"), anisotropic
+        self.targets = own_targets("RandomScale", aux_position_keys, aux_direction_keys, aux_vector_keys)
 
     def __call__(self, data: dict) -> dict:
         factor = np.random.uniform(*self.scale, size=3 if self.anisotropic else 1)
         out = dict(data)
         out["coord"] = (np.asarray(_require(data, "coord", "RandomScale")) * factor).astype(np.float32)
+        move_targets(data, out, "RandomScale", self.targets, affine=lambda p: p * factor, linear=None)
         return out
 
 
