@@ -80,13 +80,27 @@ def write_config(cfg) -> Path:
             earlier = {}
         # A resume (or a run directory that was moved) is the same run: only
         # another config sets the earlier record aside.
-        local = ("resume", "save_path")
+        local = ("resume", "save_path", "trust_checkpoint_code")
         if {k: v for k, v in earlier.items() if k not in local} == {k: v for k, v in cfg.items() if k not in local}:
-            cfg.dump(str(path))
+            _dump_record(cfg, path)
             return path
         set_aside(path)
-    cfg.dump(str(path))
+    _dump_record(cfg, path)
     return path
+
+
+def _dump_record(cfg, path: Path) -> None:
+    """Write ``cfg`` to ``path`` without ``trust_checkpoint_code``: trusting one
+    checkpoint's code is a decision of one invocation, never inherited by a
+    later resume (docs/security.md)."""
+    trusted = cfg.get("trust_checkpoint_code", False)
+    if trusted:
+        cfg.trust_checkpoint_code = False
+    try:
+        cfg.dump(str(path))
+    finally:
+        if trusted:
+            cfg.trust_checkpoint_code = trusted
 
 
 def _git_info(root: Path | None = None) -> dict | None:

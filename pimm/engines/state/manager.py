@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from pimm.engines.state.participants import as_participant
+from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file
 from pimm.engines.state.snapshot import SnapshotBuffers
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
@@ -242,6 +243,9 @@ class CheckpointManager:
         self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
         self.snapshot_buffers = SnapshotBuffers()  # pinned host buffers for CUDA states, reused across saves
+        # The opt-in (trust_checkpoint_code) for checkpoints written before states were plain data:
+        # a file refused as data is then loaded in full, with a warning (pimm.engines.state.safe_load).
+        self.trust_code = False
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
@@ -454,19 +458,34 @@ class CheckpointManager:
         if verdict != "ok":
             raise ValueError(verdict)
         manifest = self._read_manifest(path)
-        common = torch.load(path / COMMON, map_location="cpu", weights_only=False)
+        common = self.load_state(path / COMMON)
         rank_file = path / f"rank{rank:05d}.pth"
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
+        rank_state = self.load_state(rank_file) if rank_file.exists() else None
         return LoadedCheckpoint(path, manifest, common, rank_state)
+
+    def load_state(self, path: Path) -> Any:
+        """One state file of a checkpoint, loaded as data (an :class:`UnsafeCheckpointError`
+        when it holds anything else and :attr:`trust_code` is off)."""
+        return load_state_file(path, trust_code=self.trust_code, logger=self.logger)
+
+    @staticmethod
+    def _refusal(refused: str | None) -> str:
+        """The first rank's refusal (one line naming the file and the type), agreed on every rank."""
+        return next(line for line in comm.all_gather_object(refused) if line)
 
     def load(self, path: str | Path) -> LoadedCheckpoint:
         """The checkpoint folder ``path`` (anywhere), verified and read on every
         rank; a :class:`CheckpointError` saying why when any rank cannot use it."""
         rank = comm.get_rank()
+        refused = None
         try:
             loaded, error = self._try_load(Path(path), rank), None
+        except UnsafeCheckpointError as err:
+            loaded, error, refused = None, str(err), str(err)
         except Exception as err:  # a damaged file may fail in many ways
             loaded, error = None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        if comm.any_rank(refused is not None):
+            raise CheckpointError(f"resume={str(path)!r}: {self._refusal(refused)}")
         if comm.any_rank(loaded is None):
             raise CheckpointError(f"resume={str(path)!r} cannot be used: {error or 'unreadable on another rank'}; "
                                   "nothing was changed (pick another checkpoint folder, or resume=True for the newest "
@@ -475,16 +494,29 @@ class CheckpointManager:
 
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest checkpoint that every rank can read, or None. The ones
-        passed over are in :attr:`rejected` with the reason, and logged."""
+        passed over (damaged, uncommitted) are in :attr:`rejected` with the
+        reason, and logged. A checkpoint refused because it holds more than
+        data is not damage: that stops the resume (a :class:`CheckpointError`
+        naming the file, the type and the older checkpoints) instead of
+        silently continuing from an older one."""
         rank = comm.get_rank()
         candidates = comm.broadcast_object([str(p) for p in reversed(self.step_folders())])
         self.rejected = []
-        for candidate in candidates:
+        for index, candidate in enumerate(candidates):
             path = Path(candidate)
+            refused = None
             try:
                 loaded, error = self._try_load(path, rank), None
+            except UnsafeCheckpointError as err:
+                loaded, error, refused = None, str(err), str(err)
             except Exception as err:  # a damaged file may fail in many ways
                 loaded, error = None, f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+            if comm.any_rank(refused is not None):
+                older = [Path(p) for p in candidates[index + 1:] if self.verify(Path(p)) == "ok"]
+                hint = (f" To continue from the previous checkpoint instead, pass resume='{older[0]}' (this one and "
+                        "any later are moved aside, not deleted)." if older else "")
+                raise CheckpointError(f"resume=True: the newest usable-looking checkpoint {path.name} was not "
+                                      f"loaded: {self._refusal(refused)}.{hint}")
             if comm.any_rank(loaded is None):
                 reason = error or "unreadable on another rank"
                 self.rejected.append((path, reason))

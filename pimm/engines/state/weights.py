@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file
 from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
 
@@ -43,9 +44,13 @@ def read_weights(path: str | Path) -> dict:
     ``state_dict`` / ``model``)."""
     path = Path(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = load_state_file(path)  # as data: a weight file never runs code
     except FileNotFoundError:
         raise CheckpointError(f"weight={str(path)!r}: no such file") from None
+    except UnsafeCheckpointError as err:
+        raise CheckpointError(f"weight={str(path)!r} refused: it holds a {err.global_name} object, and a weight "
+                              "file may hold only tensors and plain data, never code; nothing in it was loaded or "
+                              "run (tools/convert_checkpoint.py writes a plain weight file from a checkpoint)") from None
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointError(f"weight={str(path)!r} cannot be read as a torch weight file "

@@ -1,0 +1,174 @@
+"""Reading checkpoint files back as data, never as code.
+
+A ``.pth`` file is a pickle, and unpickling can call any function the file
+names: a checkpoint folder that someone else wrote (a colleague's run being
+forked, a folder copied from another cluster) could run code on the machine
+that resumes from it. So every file pimm reads back is loaded with
+``torch.load(..., weights_only=True)``: tensors, numbers, strings, ``None``,
+lists, tuples, dicts and ``OrderedDict`` only, plus the types in
+:data:`ALLOWED_TYPES` (a short, reviewed allowlist of pimm's own types; empty
+today: every state pimm saves is plain). A file that names anything else is
+refused with one line naming the file and the type (:class:`UnsafeCheckpointError`,
+exit 2), before anything in it is built.
+
+``trust_code=True`` is the explicit opt-in for checkpoints written before pimm
+saved plain states (their RNG states hold NumPy arrays): the file is first
+tried as data and, only if that is refused, loaded with the full unpickler,
+with a warning naming the file and what it trusted.
+
+Distributed Checkpoint's ``.metadata`` file (FSDP runs) is a plain pickle of
+torch's own metadata classes; :func:`read_dcp_metadata` reads it with an
+unpickler that knows only those (:data:`DCP_METADATA_GLOBALS`), and
+:func:`safe_load_planner` loads the small non-tensor values of a sharded
+state (param-group settings) with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pimm.utils.errors import CheckpointError
+
+__all__ = ["ALLOWED_TYPES", "UnsafeCheckpointError", "load_state_file", "offending_global", "read_dcp_metadata",
+           "safe_file_system_reader", "safe_load_planner", "TRUST_HINT"]
+
+# pimm's own types a checkpoint may hold (each one reviewed: building it runs no
+# code beyond setting fields). Empty: every state pimm writes is plain data.
+ALLOWED_TYPES: tuple[type, ...] = ()
+
+# What the refusal suggests for the run's own old checkpoints (the CLI tool passes its flag).
+TRUST_HINT = "trust_checkpoint_code=True"
+
+# torch's refusals name the global ("GLOBAL numpy._core.multiarray._reconstruct was not an
+# allowed global", "unsupported GLOBAL posix.system whose module posix is blocked").
+_GLOBAL = re.compile(r"GLOBAL\s+([A-Za-z_][\w.]*)")
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds something other than data (a type outside the
+    allowlist); nothing in it was built or run."""
+
+    def __init__(self, path: Path, global_name: str, trust_hint: str = TRUST_HINT):
+        self.path, self.global_name = Path(path), global_name
+        super().__init__(
+            f"{path} refused: it holds a {global_name} object, and a checkpoint may hold only data (tensors, "
+            "numbers, strings, lists, dicts), never code; nothing in it was loaded or run. If you wrote this "
+            f"checkpoint yourself with a pimm from before checkpoints were loaded as data, {trust_hint} loads it "
+            "(it runs whatever the file contains)")
+
+
+def offending_global(err: BaseException) -> str | None:
+    """The global (``module.name``) a weights-only load refused, from torch's message; None if it names none."""
+    match = _GLOBAL.search(str(err))
+    return match.group(1) if match else None
+
+
+def load_state_file(path: str | Path, trust_code: bool = False, logger: logging.Logger | None = None,
+                    trust_hint: str = TRUST_HINT) -> Any:
+    """``torch.load(path)`` as data (see the module docstring); an
+    :class:`UnsafeCheckpointError` when the file holds anything else, unless
+    ``trust_code`` (then it is loaded in full, with a warning)."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(ALLOWED_TYPES)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        name = offending_global(err)
+        if name is None:
+            raise  # not a refused type: a damaged file, reported by the caller as such
+        if not trust_code:
+            raise UnsafeCheckpointError(path, name, trust_hint) from None
+    (logger or logging.getLogger("pimm")).warning(
+        f"Loading {path} with the full unpickler ({TRUST_HINT.split('=')[0]}): it holds a {name} object, "
+        "which a checkpoint written today never does; only do this for checkpoints you trust")
+    return torch.load(path, map_location="cpu", weights_only=False)  # the documented opt-in (trust_code)
+
+
+# -- Distributed Checkpoint (FSDP's sharded/ folder) ---------------------------------
+def _dtype_names() -> set[str]:
+    return {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+# Everything DCP's FileSystemWriter pickles into ``.metadata``: its own dataclasses, a
+# path (the checkpoint id), sizes, dtypes and the layout lookup. Building any of them runs no user code.
+DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`DCP_METADATA_GLOBALS` and torch's dtypes."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and name in _dtype_names()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(self.path, f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise UnsafeCheckpointError(self.path, "persistent reference")
+
+
+def read_dcp_metadata(folder: str | Path):
+    """DCP's ``.metadata`` of ``folder``, read without running code."""
+    path = Path(folder) / ".metadata"
+    with open(path, "rb") as fh:
+        return _MetadataUnpickler(io.BytesIO(fh.read()), path).load()
+
+
+def safe_file_system_reader(folder: str | Path):
+    """A ``FileSystemReader`` for ``folder`` whose metadata read is :func:`read_dcp_metadata`
+    (the shards themselves DCP already loads with ``weights_only=True``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # per-rank metadata files: not written by pimm
+                raise CheckpointError(f"{folder}: per-rank DCP metadata is not a pimm checkpoint")
+            metadata = read_dcp_metadata(folder)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(folder))
+
+
+def safe_load_planner():
+    """DCP's default load planner, but the non-tensor values of a sharded state
+    (saved as small ``torch.save`` blobs) load with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                name = offending_global(err)
+                raise UnsafeCheckpointError(Path(f"sharded/{read_item.dest_index.fqn}"), name or "non-data value")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner()
