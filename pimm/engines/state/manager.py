@@ -513,10 +513,10 @@ class CheckpointManager:
                 loaded, error = None, f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
             if comm.any_rank(refused is not None):
                 older = [Path(p) for p in candidates[index + 1:] if self.verify(Path(p)) == "ok"]
-                hint = (f" To continue from the previous checkpoint instead, pass resume='{older[0]}' (this one and "
-                        "any later are moved aside, not deleted)." if older else "")
-                raise CheckpointError(f"resume=True: the newest usable-looking checkpoint {path.name} was not "
-                                      f"loaded: {self._refusal(refused)}.{hint}")
+                hint = (f" To continue from the checkpoint before it instead: resume='{older[0]}' (moves this one "
+                        "aside, deletes nothing)." if older else "")
+                raise CheckpointError(f"resume=True stopped at {path.name} (no fallback to an older checkpoint): "
+                                      f"{self._refusal(refused)}.{hint}")
             if comm.any_rank(loaded is None):
                 reason = error or "unreadable on another rank"
                 self.rejected.append((path, reason))

@@ -58,8 +58,8 @@ class UnsafeCheckpointError(CheckpointError):
     def __init__(self, path: Path, global_name: str, trust_hint: str = TRUST_HINT):
         self.path, self.global_name = Path(path), global_name
         super().__init__(
-            f"{path} refused: it holds a {global_name} object, and a checkpoint may hold only data (tensors, "
-            "numbers, strings, lists, dicts), never code; nothing in it was loaded or run. If you wrote this "
+            f"{path} refused: it refers to {global_name}, and a checkpoint may hold only data (tensors, numbers, "
+            "strings, lists, dicts), never code; nothing in it was loaded or run. If you wrote this "
             f"checkpoint yourself with a pimm from before checkpoints were loaded as data, {trust_hint} loads it "
             "(it runs whatever the file contains)")
 
@@ -86,8 +86,8 @@ def load_state_file(path: str | Path, trust_code: bool = False, logger: logging.
         if not trust_code:
             raise UnsafeCheckpointError(path, name, trust_hint) from None
     (logger or logging.getLogger("pimm")).warning(
-        f"Loading {path} with the full unpickler ({TRUST_HINT.split('=')[0]}): it holds a {name} object, "
-        "which a checkpoint written today never does; only do this for checkpoints you trust")
+        f"Loading {path} with the full unpickler ({TRUST_HINT.split('=')[0]}): it refers to {name}, which a "
+        "checkpoint written by this pimm never does; only do this for checkpoints you trust")
     return torch.load(path, map_location="cpu", weights_only=False)  # the documented opt-in (trust_code)
 
 

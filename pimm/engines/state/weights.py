@@ -48,7 +48,7 @@ def read_weights(path: str | Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"weight={str(path)!r}: no such file") from None
     except UnsafeCheckpointError as err:
-        raise CheckpointError(f"weight={str(path)!r} refused: it holds a {err.global_name} object, and a weight "
+        raise CheckpointError(f"weight={str(path)!r} refused: it refers to {err.global_name}, and a weight "
                               "file may hold only tensors and plain data, never code; nothing in it was loaded or "
                               "run (tools/convert_checkpoint.py writes a plain weight file from a checkpoint)") from None
     except Exception as err:
