@@ -32,6 +32,12 @@ beside training). One write is in flight at a time, and the end of training
 and a pre-emption wait for it, so "complete or ignored" holds unchanged: a
 crash during the background write leaves the previous checkpoints as they were.
 
+Files are read back as data, never as code (:mod:`pimm.engines.state.safe_load`):
+a checkpoint whose state names any other type is refused (one line naming the
+file and the type), and :meth:`CheckpointManager.load_latest` stops there
+instead of falling back to an older checkpoint: such a folder is intact as
+written, not damaged.
+
 Every rank calls every participant's ``state_dict()`` (gathering a sharded
 state is a collective); rank 0 writes the shared states, every rank its own.
 Participants registered with ``scope="sharded"`` (FSDP's model and optimizer,
