@@ -140,6 +140,17 @@ def test_the_runs_older_checkpoint_stays_usable(tmp_path, finished):
     assert all(torch.equal(mine["state_dict"][k], theirs["state_dict"][k]) for k in theirs["state_dict"])
 
 
+def test_a_poisoned_rank_state_of_another_rank_stops_every_rank(tmp_path):
+    """Two processes: rank 1's own file carries the payload; every rank stops, the line names that file."""
+    config = write_toy_config(tmp_path, tmp_path / "run", inprocess.SMALL.format(epoch=1) + f"hooks = {HOOKS}\n")
+    assert run_tool("train", config, num_gpus=2).returncode == 0
+    marker = tmp_path / "marker"
+    poison(folder(tmp_path / "run", 4), "rank00001.pth", marker)
+    line = one_error(run_tool("train", config, "resume=True", "epoch=2", num_gpus=2))
+    assert not marker.exists()
+    assert "rank00001.pth refused: it refers to io.open" in line and "step000000004" in line
+
+
 # -- a fork, convert, weight= ------------------------------------------------------------------------
 def test_a_fork_of_a_poisoned_checkpoint_is_refused(tmp_path, finished):
     other = copy_run(finished, tmp_path / "other")

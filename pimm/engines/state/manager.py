@@ -474,6 +474,15 @@ class CheckpointManager:
         when it holds anything else and :attr:`trust_code` is off)."""
         return load_state_file(path, trust_code=self.trust_code, logger=self.logger)
 
+    def _attempt(self, path: Path) -> tuple[LoadedCheckpoint | None, str | None, str | None]:
+        """(the loaded checkpoint, why it cannot be used, why it was refused as more than data)."""
+        try:
+            return self._try_load(path, comm.get_rank()), None, None
+        except UnsafeCheckpointError as err:
+            return None, str(err), str(err)
+        except Exception as err:  # a damaged file may fail in many ways
+            return None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}", None
+
     @staticmethod
     def _refusal(refused: str | None) -> str:
         """The first rank's refusal (one line naming the file and the type), agreed on every rank."""
@@ -482,14 +491,7 @@ class CheckpointManager:
     def load(self, path: str | Path) -> LoadedCheckpoint:
         """The checkpoint folder ``path`` (anywhere), verified and read on every
         rank; a :class:`CheckpointError` saying why when any rank cannot use it."""
-        rank = comm.get_rank()
-        refused = None
-        try:
-            loaded, error = self._try_load(Path(path), rank), None
-        except UnsafeCheckpointError as err:
-            loaded, error, refused = None, str(err), str(err)
-        except Exception as err:  # a damaged file may fail in many ways
-            loaded, error = None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        loaded, error, refused = self._attempt(Path(path))
         if comm.any_rank(refused is not None):
             raise CheckpointError(f"resume={str(path)!r}: {self._refusal(refused)}")
         if comm.any_rank(loaded is None):
@@ -505,21 +507,14 @@ class CheckpointManager:
         data is not damage: that stops the resume (a :class:`CheckpointError`
         naming the file, the type and the older checkpoints) instead of
         silently continuing from an older one."""
-        rank = comm.get_rank()
         candidates = comm.broadcast_object([str(p) for p in reversed(self.step_folders())])
         self.rejected = []
         for index, candidate in enumerate(candidates):
             path = Path(candidate)
-            refused = None
-            try:
-                loaded, error = self._try_load(path, rank), None
-            except UnsafeCheckpointError as err:
-                loaded, error, refused = None, str(err), str(err)
-            except Exception as err:  # a damaged file may fail in many ways
-                loaded, error = None, f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+            loaded, error, refused = self._attempt(path)
             if comm.any_rank(refused is not None):
-                older = [Path(p) for p in candidates[index + 1:] if self.verify(Path(p)) == "ok"]
-                hint = (f" To continue from the checkpoint before it instead: resume='{older[0]}' (moves this one "
+                older = next((p for p in candidates[index + 1:] if self.verify(Path(p)) == "ok"), None)
+                hint = (f" To continue from the checkpoint before it instead: resume='{older}' (moves this one "
                         "aside, deletes nothing)." if older else "")
                 raise CheckpointError(f"resume=True stopped at {path.name} (no fallback to an older checkpoint): "
                                       f"{self._refusal(refused)}.{hint}")

@@ -25,6 +25,7 @@ state (param-group settings) with ``weights_only=True``.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
@@ -55,13 +56,13 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file holds something other than data (a type outside the
     allowlist); nothing in it was built or run."""
 
-    def __init__(self, path: Path, global_name: str, trust_hint: str = TRUST_HINT):
+    def __init__(self, path: Path, global_name: str, trust_hint: str | None = TRUST_HINT):
         self.path, self.global_name = Path(path), global_name
+        opt_in = (f" If you wrote this checkpoint yourself with a pimm from before checkpoints were loaded as data, "
+                  f"{trust_hint} loads it (it runs whatever the file contains)" if trust_hint else "")
         super().__init__(
             f"{path} refused: it refers to {global_name}, and a checkpoint may hold only data (tensors, numbers, "
-            "strings, lists, dicts), never code; nothing in it was loaded or run. If you wrote this "
-            f"checkpoint yourself with a pimm from before checkpoints were loaded as data, {trust_hint} loads it "
-            "(it runs whatever the file contains)")
+            f"strings, lists, dicts), never code; nothing in it was loaded or run.{opt_in}")
 
 
 def offending_global(err: BaseException) -> str | None:
@@ -92,8 +93,9 @@ def load_state_file(path: str | Path, trust_code: bool = False, logger: logging.
 
 
 # -- Distributed Checkpoint (FSDP's sharded/ folder) ---------------------------------
-def _dtype_names() -> set[str]:
-    return {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+@functools.lru_cache(maxsize=1)
+def _dtype_names() -> frozenset[str]:
+    return frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
 
 # Everything DCP's FileSystemWriter pickles into ``.metadata``: its own dataclasses, a
@@ -121,10 +123,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and name in _dtype_names()):
             return super().find_class(module, name)
-        raise UnsafeCheckpointError(self.path, f"{module}.{name}")
+        raise UnsafeCheckpointError(self.path, f"{module}.{name}", trust_hint=None)
 
     def persistent_load(self, pid):
-        raise UnsafeCheckpointError(self.path, "persistent reference")
+        raise UnsafeCheckpointError(self.path, "a persistent reference", trust_hint=None)
 
 
 def read_dcp_metadata(folder: str | Path):
@@ -141,9 +143,8 @@ def safe_file_system_reader(folder: str | Path):
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            if kwargs.get("rank") is not None:  # per-rank metadata files: not written by pimm
-                raise CheckpointError(f"{folder}: per-rank DCP metadata is not a pimm checkpoint")
+        # No **kwargs: DCP then never falls back to per-rank metadata files, which pimm does not write.
+        def read_metadata(self):
             metadata = read_dcp_metadata(folder)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -165,7 +166,8 @@ def safe_load_planner():
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as err:
                 name = offending_global(err)
-                raise UnsafeCheckpointError(Path(f"sharded/{read_item.dest_index.fqn}"), name or "non-data value")
+                raise UnsafeCheckpointError(Path(f"sharded/ value {read_item.dest_index.fqn}"), name or "non-data",
+                                            trust_hint=None) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
