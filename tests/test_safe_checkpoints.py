@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from pimm.engines import HOOKS as HOOK_REGISTRY, HookBase
 from pimm.engines.state.manager import CheckpointManager
 from pimm.engines.state.safe_load import UnsafeCheckpointError, read_dcp_metadata, safe_load_planner
 from pimm.utils.errors import CheckpointError
@@ -82,6 +83,14 @@ def finished(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("finished")
     inprocess.make_trainer(root, HOOKS, epoch=2).train()
     return root / "run"
+
+
+@HOOK_REGISTRY.register_module(force=True)
+class NumpyStateHook(HookBase):
+    """A user's hook whose state holds a NumPy scalar (not plain data)."""
+
+    def state_dict(self) -> dict:
+        return {"best": np.float64(0.5)}
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:
@@ -269,3 +278,18 @@ def test_the_runs_record_never_carries_trust(tmp_path):
     cfg.seed = 1
     write_config(cfg)  # the same run again: rewritten in place, nothing set aside
     assert sorted(p.name for p in path.parent.iterdir()) == ["config.py"]
+
+
+def test_a_save_names_a_participant_whose_state_is_not_data(tmp_path, caplog):
+    """Found at the save (a warning naming the hook), not at the resume; trust_checkpoint_code then resumes it."""
+    hooks = HOOKS[:-1] + ', dict(type="NumpyStateHook")]'
+    with caplog.at_level("WARNING", logger="pimm"):
+        inprocess.make_trainer(tmp_path, hooks, epoch=1).train()
+    warnings = [r.getMessage() for r in caplog.records if "Checkpoint participant" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not at every save
+    assert "'hooks: NumpyStateHook' saves numpy." in warnings[0] and "rank00000.pth" in warnings[0]
+    with pytest.raises(CheckpointError, match="rank00000.pth refused: it refers to numpy"):
+        inprocess.make_trainer(tmp_path, hooks, epoch=2, options=["resume=True"]).train()
+    trainer = inprocess.make_trainer(tmp_path, hooks, epoch=2, options=["resume=True", "trust_checkpoint_code=True"])
+    trainer.train()
+    assert trainer.global_step == 8

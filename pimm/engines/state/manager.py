@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from pimm.engines.state.participants import as_participant
-from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file
+from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file, non_data_parts
 from pimm.engines.state.snapshot import SnapshotBuffers
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
@@ -252,6 +252,7 @@ class CheckpointManager:
         # The opt-in (trust_checkpoint_code) for checkpoints written before states were plain data:
         # a file refused as data is then loaded in full, with a warning (pimm.engines.state.safe_load).
         self.trust_code = False
+        self._warned: set[tuple[str, tuple]] = set()  # (participant, types) already warned about at a save
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
@@ -372,12 +373,14 @@ class CheckpointManager:
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
         entries = {rank_file: _save_synced(per_rank, tmp / rank_file)}
+        self._warn_unless_data(per_rank, tmp / rank_file)
         if "sharded" in manifest:
             entries.update(_entries(tmp, own_shard_files(tmp / SHARDED_DIR, rank)))
         _write_json_synced(entries, tmp / f"{rank_file}.done")
         if rank != 0:
             return
         files = {COMMON: _save_synced(shared, tmp / COMMON)}
+        self._warn_unless_data(shared, tmp / COMMON)
         world = manifest["world_size"]
         deadline = time.monotonic() + self.commit_timeout_s
         for other in range(world):
@@ -404,6 +407,18 @@ class CheckpointManager:
         if self.tracer is not None:
             self.tracer.complete("checkpoint_commit", self.tracer.now() - int((time.perf_counter() - start) * 1e9),
                                  thread="checkpoint-writer" if self.async_write else None)
+
+    def _warn_unless_data(self, state: dict, path: Path) -> None:
+        """Warn (once per participant and type) when a state just written is more than data:
+        a resume would refuse it (pimm.engines.state.safe_load)."""
+        for name, refused in non_data_parts(state, path).items():
+            if (name, tuple(refused)) in self._warned:
+                continue
+            self._warned.add((name, tuple(refused)))
+            self.logger.warning(
+                f"Checkpoint participant {name!r} saves {', '.join(refused)} in {path.name}, which a resume loads only "
+                "with trust_checkpoint_code=True: its state_dict() should return plain data (tensors, numbers, "
+                "strings, lists, dicts; e.g. float(x) for a NumPy scalar)")
 
     def _move_aside(self, path: Path) -> Path:
         index = 1

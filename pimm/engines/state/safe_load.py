@@ -16,6 +16,11 @@ saved plain states (their RNG states hold NumPy arrays): the file is first
 tried as data and, only if that is refused, loaded with the full unpickler,
 with a warning naming the file and what it trusted.
 
+A save checks its own files the same way (:func:`non_data_parts`): a
+participant whose ``state_dict()`` holds anything else (a NumPy scalar from a
+user's hook, say) is named in a warning at the save, not discovered at the
+resume.
+
 Distributed Checkpoint's ``.metadata`` file (FSDP runs) is a plain pickle of
 torch's own metadata classes; :func:`read_dcp_metadata` reads it with an
 unpickler that knows only those (:data:`DCP_METADATA_GLOBALS`), and
@@ -37,7 +42,8 @@ import torch
 
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["ALLOWED_TYPES", "UnsafeCheckpointError", "load_state_file", "offending_global", "read_dcp_metadata",
+__all__ = ["ALLOWED_TYPES", "UnsafeCheckpointError", "load_state_file", "non_data_parts", "offending_global",
+           "read_dcp_metadata",
            "safe_file_system_reader", "safe_load_planner", "TRUST_HINT"]
 
 # pimm's own types a checkpoint may hold (each one reviewed: building it runs no
@@ -90,6 +96,30 @@ def load_state_file(path: str | Path, trust_code: bool = False, logger: logging.
         f"Loading {path} with the full unpickler ({TRUST_HINT.split('=')[0]}): it refers to {name}, which a "
         "checkpoint written by this pimm never does; only do this for checkpoints you trust")
     return torch.load(path, map_location="cpu", weights_only=False)  # the documented opt-in (trust_code)
+
+
+def non_data_parts(state: dict, path: Path) -> dict[str, list[str]]:
+    """``{participant: [global, ...]}`` for the top-level entries of ``state``
+    (just written to ``path``) that a load as data would refuse; empty when the
+    file is plain. The written file's pickle is scanned (no second save) and
+    only a refused file is taken apart by participant."""
+    if not torch.serialization.get_unsafe_globals_in_checkpoint(path):
+        return {}
+    parts = []
+    for name, value in state.items():
+        if isinstance(value, list) and all(isinstance(v, dict) and "type" in v for v in value):
+            parts += [(f"{name}: {v['type']}", v) for v in value]  # the hooks, one by one
+        else:
+            parts.append((str(name), value))
+    found = {}
+    for name, value in parts:
+        blob = io.BytesIO()
+        torch.save(value, blob)
+        blob.seek(0)
+        refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(blob))
+        if refused:
+            found[name] = refused
+    return found
 
 
 # -- Distributed Checkpoint (FSDP's sharded/ folder) ---------------------------------
