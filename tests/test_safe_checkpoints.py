@@ -222,6 +222,33 @@ def test_dcp_metadata_is_read_as_data(tmp_path):
     assert not marker.exists()
 
 
+def test_convert_refuses_poisoned_sharded_metadata(tmp_path):
+    """An FSDP-style checkpoint (sharded/ only): converts as data; with a payload in .metadata, refused."""
+    checkpoint = tmp_path / "checkpoints" / "step000000001-epoch0001"
+    checkpoint.mkdir(parents=True)
+    _sharded_folder(checkpoint)
+    files = {p.relative_to(checkpoint).as_posix(): {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())}
+             for p in (checkpoint / "sharded").iterdir()}
+    (checkpoint / "COMMITTED").write_text(json.dumps({"global_step": 1, "epoch": 1, "world_size": 1,
+                                                      "sharded": ["model", "optimizer"], "files": files}))
+
+    def convert(out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), str(checkpoint),
+                               str(out)], capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+
+    done = convert(tmp_path / "plain.pth")
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(torch.load(tmp_path / "plain.pth", weights_only=True)["state_dict"]["w"], torch.arange(4.0))
+    marker = tmp_path / "marker"
+    metadata = read_dcp_metadata(checkpoint / "sharded")
+    metadata.storage_meta.modules = [Payload(marker)]
+    (checkpoint / "sharded" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _sign(checkpoint, "sharded/.metadata")
+    line = one_error(convert(tmp_path / "poisoned.pth"))
+    assert ".metadata refused: it refers to io.open" in line
+    assert not marker.exists() and not (tmp_path / "poisoned.pth").exists()
+
+
 def test_dcp_values_are_read_as_data(tmp_path):
     marker = tmp_path / "marker"
     blob = io.BytesIO()
