@@ -107,8 +107,8 @@ def test_manifest_records_step_layout_and_file_sizes_and_checksums(tmp_path, log
         data = (path / name).read_bytes()
         assert entry == {"size": len(data), "crc32": zlib.crc32(data)}
     # Rank files hold only the per-rank participants, common.pth the replicated ones.
-    assert set(torch.load(path / "rank00000.pth", weights_only=False)) == {"position"}
-    assert set(torch.load(path / "common.pth", weights_only=False)) == {"model", "optimizer", "counter"}
+    assert set(torch.load(path / "rank00000.pth", weights_only=True)) == {"position"}
+    assert set(torch.load(path / "common.pth", weights_only=True)) == {"model", "optimizer", "counter"}
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary left
 
 

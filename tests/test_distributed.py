@@ -244,4 +244,4 @@ def test_mid_epoch_checkpoints_commit_with_buffered_scalars(two_processes):
         assert manifest["world_size"] == 2
         assert sorted(manifest["files"]) == ["common.pth", "rank00000.pth", "rank00001.pth"]
         for name in manifest["files"]:
-            assert torch.load(path / name, map_location="cpu", weights_only=False)  # every shard is whole
+            assert torch.load(path / name, map_location="cpu", weights_only=True)  # every shard is whole

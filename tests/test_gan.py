@@ -186,7 +186,7 @@ class GanRun(Run):
 
 def newest_state(run: GanRun) -> dict:
     newest = CheckpointManager(run.save / "checkpoints").committed()[-1]
-    return torch.load(newest / "common.pth", weights_only=False)
+    return torch.load(newest / "common.pth", weights_only=True)
 
 
 def assert_same_tensors(got, want, where: str) -> None:

@@ -119,7 +119,7 @@ def test_checkpoints_through_reused_buffers_hold_each_saves_own_values(tmp_path,
     for step in (2, 3):  # the retention keeps the last two
         path = tmp_path / "checkpoints" / f"step{step:09d}-epoch0000"
         assert manager.verify(path) == "ok"
-        saved = torch.load(path / "common.pth", weights_only=False)["counter"]["value"]
+        saved = torch.load(path / "common.pth", weights_only=True)["counter"]["value"]
         assert torch.equal(saved, torch.full((8,), float(step)))
 
 

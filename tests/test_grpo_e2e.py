@@ -76,7 +76,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, num_worker, num_gpus, kil
         _train(cfg, f"hooks.KillAtStep.step={step}", "resume=True", expect=killed, num_gpus=num_gpus)
         newest = CheckpointManager(run / "checkpoints").committed()[-1]
         assert newest.name.startswith(f"step{step - 2:09d}")  # an odd step: between two updates
-        rank_state = torch.load(newest / "rank00000.pth", weights_only=False)
+        rank_state = torch.load(newest / "rank00000.pth", weights_only=True)
         assert rank_state["grpo_rollout"]["rollout"] is not None
     _train(cfg, "resume=True", num_gpus=num_gpus)
     assert (run / "train.log").read_text().count("Resumed from") == len(kills)

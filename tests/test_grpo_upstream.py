@@ -7,6 +7,7 @@ the trace, and SIGKILL + resume through tools/train.py for both step counts
 from __future__ import annotations
 
 import copy
+import io
 import json
 import statistics
 from types import SimpleNamespace
@@ -253,9 +254,21 @@ def test_a_checkpoint_resumes_only_with_the_step_count_it_was_written_with():
     saved = RolloutCache(torch.device("cpu"), "update")
     saved.start({"events": [{"trajectories": [Trajectory(torch.tensor([1, 2]), torch.zeros(2), 0.5)],
                              "advantages": torch.zeros(1)}]}, batch=None)
-    state = saved.state_dict()
-    restored = RolloutCache(torch.device("cpu"), "update")
-    restored.load_state_dict(state)  # trajectory objects go through the checkpoint
-    assert restored.rollout["events"][0]["trajectories"][0].actions.tolist() == [1, 2]
+    blob = io.BytesIO()
+    torch.save(saved.state_dict(), blob)
+    blob.seek(0)
+    state = torch.load(blob, weights_only=True)  # the trajectory objects are saved as plain data
+    restored = RolloutCache(torch.device("cpu"), "update", trusted_modules=("tests.support.upstream_grpo",))
+    restored.load_state_dict(state)  # and rebuilt from the policy's module
+    trajectory = restored.rollout["events"][0]["trajectories"][0]
+    assert type(trajectory) is Trajectory and trajectory.actions.tolist() == [1, 2]
+    assert trajectory.metrics == {"reward": 0.5, "length": 2.0}
+    # A class from anywhere else (here: a module the config never named) is refused, never built.
+    with pytest.raises(CheckpointError, match="holds a tests.support.upstream_grpo:Trajectory object"):
+        RolloutCache(torch.device("cpu"), "update", trusted_modules=("os",)).load_state_dict(state)
+    state["rollout"]["events"][0]["trajectories"][0]["__object__"] = "tempfile:_TemporaryFileCloser"
+    with pytest.raises(CheckpointError, match="holds a tempfile:_TemporaryFileCloser object"):
+        RolloutCache(torch.device("cpu"), "update", trusted_modules=("tests.support.upstream_grpo",)
+                     ).load_state_dict(state)
     with pytest.raises(CheckpointError, match="step_per='update' and resumes with 'rollout'"):
         RolloutCache(torch.device("cpu"), "rollout").load_state_dict(state)

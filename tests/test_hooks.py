@@ -264,7 +264,7 @@ def test_each_entry_keeps_its_state_through_checkpoint_and_resume(tmp_path):
 
     newest = sorted((tmp_path / "run" / "checkpoints").glob("step*"))[-1]
     assert newest.name.startswith("step000000006")
-    saved = torch.load(newest / "rank00000.pth", weights_only=False)["hooks"]
+    saved = torch.load(newest / "rank00000.pth", weights_only=True)["hooks"]
     states = [(s["type"], s["state"]) for s in saved if s["type"] in ("RecordingHook", "CounterHook")]
     assert states == [("RecordingHook", {"steps_seen": 6}), ("RecordingHook", {"steps_seen": 6}),
                       ("CounterHook", {"total": 6}), ("CounterHook", {"total": 60})]

@@ -242,7 +242,7 @@ hooks = [
     result = run_tool("train", cfg, num_gpus=2, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     final = sorted((save / "checkpoints").glob("step*"))[-1]
-    states = [torch.load(final / f"rank{r:05d}.pth", weights_only=False)["hooks"] for r in (0, 1)]
+    states = [torch.load(final / f"rank{r:05d}.pth", weights_only=True)["hooks"] for r in (0, 1)]
     ema = [next(s["state"] for s in hooks if s["type"] == "EMAHook") for hooks in states]
     assert ema[0]["real_updates"] == ema[1]["real_updates"] == 19  # 20 steps, one skipped on both ranks
     for key, value in ema[0]["averaged"].items():

@@ -163,7 +163,7 @@ def assert_clean_losses(run: Run, ref: Run | None = None, total: int = TOTAL_STE
 
 def hook_state(run: Run, hook_type: str) -> dict:
     newest = CheckpointManager(run.save / "checkpoints").committed()[-1]
-    states = torch.load(newest / "rank00000.pth", weights_only=False)["hooks"]
+    states = torch.load(newest / "rank00000.pth", weights_only=True)["hooks"]
     return next(s["state"] for s in states if s["type"] == hook_type)
 
 

@@ -323,7 +323,7 @@ def test_wandb_offline_run_and_run_id_in_checkpoint(tmp_path):
     runs = list((save_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (checkpoint,) = sorted((save_path / "checkpoints").glob("step*"))[-1:]
-    writer_state = torch.load(checkpoint / "common.pth", weights_only=False)["writer"]
+    writer_state = torch.load(checkpoint / "common.pth", weights_only=True)["writer"]
     run_id = writer_state["wandb_run_id"]
     assert run_id and runs[0].name.endswith(f"-{run_id}")
 

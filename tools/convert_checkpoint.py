@@ -7,7 +7,9 @@ checkpoint). A sharded checkpoint of an FSDP run (any number of processes)
 is read in this one process, without a process group; the output has the
 format of ``model/model_last.pth`` and loads with ``torch.load(OUT,
 weights_only=True)``. An existing ``OUT`` is replaced only with
-``--overwrite``. Bad arguments print one ``error: ...`` line and exit 2.
+``--overwrite``. The checkpoint is read as data: a ``common.pth`` that names
+any other type is refused (exit 2) unless ``--trust-checkpoint-code``
+(checkpoints written before pimm saved plain states; see docs/security.md). Bad arguments print one ``error: ...`` line and exit 2.
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ def main(argv: list[str] | None = None) -> int:
                             help="a checkpoint folder, a checkpoints/ folder or a save_path (then its newest checkpoint)")
         parser.add_argument("out", metavar="OUT.pth", help="the file to write (the format of model/model_last.pth)")
         parser.add_argument("--overwrite", action="store_true", help="replace OUT.pth if it exists")
+        parser.add_argument("--trust-checkpoint-code", action="store_true",
+                            help="also load a checkpoint that holds more than data (written before pimm saved plain "
+                                 "states); unpickling it runs whatever code it names: only for checkpoints you trust")
         args = parser.parse_args(argv)
         from pimm.engines.state.convert import convert_checkpoint
 
-        checkpoint, out = convert_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+        checkpoint, out = convert_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite,
+                                             trust_code=args.trust_checkpoint_code)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -82,15 +82,29 @@ def write_config(cfg) -> Path:
             earlier = {}
         # A resume (or a run directory that was moved) is the same run: only
         # another config sets the earlier record aside.
-        local = ("resume", "save_path", "launch_command")
+        local = ("resume", "save_path", "launch_command", "trust_checkpoint_code")
         if {k: v for k, v in earlier.items() if k not in local} == {k: v for k, v in cfg.items() if k not in local}:
-            cfg.dump(str(path))
-            write_run_records(cfg, same_run=True)
+            _dump_record(cfg, path, same_run=True)
             return path
         set_aside(path)
-    cfg.dump(str(path))
-    write_run_records(cfg, same_run=False)  # resolved_config.json, run_metadata.json (upstream's names)
+    _dump_record(cfg, path, same_run=False)
     return path
+
+
+def _dump_record(cfg, path: Path, same_run: bool) -> None:
+    """Write ``cfg`` to ``path`` and the run records beside it (resolved_config.json,
+    run_metadata.json: upstream's names) without ``trust_checkpoint_code``: trusting
+    one checkpoint's code is a decision of one invocation, never inherited by a
+    later resume (docs/security.md)."""
+    trusted = cfg.get("trust_checkpoint_code", False)
+    if trusted:
+        cfg.trust_checkpoint_code = False
+    try:
+        cfg.dump(str(path))
+        write_run_records(cfg, same_run=same_run)
+    finally:
+        if trusted:
+            cfg.trust_checkpoint_code = trusted
 
 
 def _git_info(root: Path | None = None) -> dict | None:

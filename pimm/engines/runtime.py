@@ -220,6 +220,9 @@ RUNTIME_KEYS: tuple[RuntimeKey, ...] = (
     RuntimeKey("resume", False, _resume,
                "continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; "
                "a checkpoint folder's path: continue from that one"),
+    RuntimeKey("trust_checkpoint_code", False, _bool,
+               "resume/fork: also load a checkpoint that holds more than data (one written before pimm saved plain "
+               "states); unpickling it runs whatever code it names: only for checkpoints you trust"),
     RuntimeKey("validate_on_resume", False, _bool,
                "a resumed run evaluates its weights (val/* at the resumed step) before training continues"),
     RuntimeKey("scheduler_interval", 1, _int(1),

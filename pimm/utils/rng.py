@@ -44,10 +44,36 @@ def seed_cpu_streams(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
 
 
+def _plain_python_state(state: tuple) -> dict:
+    version, words, gauss_next = state
+    return {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next}
+
+
+def _python_state(plain) -> tuple:
+    if isinstance(plain, tuple):  # a checkpoint from before states were plain data
+        return plain
+    return plain["version"], tuple(plain["words"].tolist()), plain["gauss_next"]
+
+
+def _plain_numpy_state(state: tuple) -> dict:
+    kind, key, pos, has_gauss, cached_gaussian = state
+    return {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+
+
+def _numpy_state(plain) -> tuple:
+    if isinstance(plain, tuple):  # a checkpoint from before states were plain data
+        return plain
+    return (plain["kind"], plain["key"].numpy().astype(np.uint32), plain["pos"], plain["has_gauss"],
+            plain["cached_gaussian"])
+
+
 def capture_rng_state() -> dict:
+    """Every stream's state as plain data (tensors, numbers, strings), so a
+    checkpoint holding it loads with ``torch.load(..., weights_only=True)``."""
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": _plain_python_state(random.getstate()),
+        "numpy": _plain_numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -56,8 +82,10 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Set every stream from :func:`capture_rng_state`'s result (or the tuple
+    forms older checkpoints hold)."""
+    random.setstate(_python_state(state["python"]))
+    np.random.set_state(_numpy_state(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = state["cuda"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pimm.engines.state.manager import MANIFEST, CheckpointManager, atomic_torch_save
+from pimm.engines.state.safe_load import load_state_file, read_dcp_metadata
 from pimm.engines.state.sharded import SHARDED_DIR, sharded_loader
 from pimm.utils.errors import CheckpointError, UserError
 
@@ -52,12 +53,11 @@ def _template(entries: dict[tuple, object]) -> dict:
     return out
 
 
-def read_checkpoint_weights(checkpoint: Path) -> dict:
-    """The model state dict of a verified checkpoint folder, whole, on the CPU."""
-    import torch.distributed.checkpoint as dcp
-
+def read_checkpoint_weights(checkpoint: Path, trust_code: bool = False) -> dict:
+    """The model state dict of a verified checkpoint folder, whole, on the CPU,
+    read as data (``trust_code``: the opt-in of :mod:`pimm.engines.state.safe_load`)."""
     if (checkpoint / SHARDED_DIR).is_dir():
-        metadata = dcp.FileSystemReader(str(checkpoint / SHARDED_DIR)).read_metadata()
+        metadata = read_dcp_metadata(checkpoint / SHARDED_DIR)
         entries = {path[1]: metadata.state_dict_metadata[flat] for flat, path in (metadata.planner_data or {}).items()
                    if path[0] == "model" and len(path) == 2}
         if not entries:
@@ -65,15 +65,17 @@ def read_checkpoint_weights(checkpoint: Path) -> dict:
         state = _template(entries)
         sharded_loader(checkpoint / SHARDED_DIR, "model")(state)
         return state
-    common = torch.load(checkpoint / "common.pth", map_location="cpu", weights_only=False)
+    common = load_state_file(checkpoint / "common.pth", trust_code=trust_code, trust_hint="--trust-checkpoint-code")
     if not isinstance(common.get("model"), dict):
         raise CheckpointError(f"{checkpoint}: common.pth holds no model weights")
     return dict(common["model"])
 
 
-def convert_checkpoint(source: str | Path, out: str | Path, overwrite: bool = False) -> tuple[Path, Path]:
+def convert_checkpoint(source: str | Path, out: str | Path, overwrite: bool = False,
+                       trust_code: bool = False) -> tuple[Path, Path]:
     """Write the weights of ``source`` (see :func:`find_checkpoint`) to ``out``;
-    returns (the checkpoint used, ``out``)."""
+    returns (the checkpoint used, ``out``). ``trust_code``: load a checkpoint
+    written before states were plain data (see :mod:`pimm.engines.state.safe_load`)."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists; choose another path or add --overwrite")
@@ -81,7 +83,7 @@ def convert_checkpoint(source: str | Path, out: str | Path, overwrite: bool = Fa
         raise UserError(f"{out} is a directory; give the path of the .pth file to write")
     checkpoint = find_checkpoint(source)
     manifest = CheckpointManager._read_manifest(checkpoint)
-    payload = {"state_dict": read_checkpoint_weights(checkpoint), "epoch": manifest.get("epoch"),
+    payload = {"state_dict": read_checkpoint_weights(checkpoint, trust_code), "epoch": manifest.get("epoch"),
                "global_step": manifest.get("global_step")}
     try:
         atomic_torch_save(payload, out)

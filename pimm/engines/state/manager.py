@@ -32,6 +32,12 @@ beside training). One write is in flight at a time, and the end of training
 and a pre-emption wait for it, so "complete or ignored" holds unchanged: a
 crash during the background write leaves the previous checkpoints as they were.
 
+Files are read back as data, never as code (:mod:`pimm.engines.state.safe_load`):
+a checkpoint whose state names any other type is refused (one line naming the
+file and the type), and :meth:`CheckpointManager.load_latest` stops there
+instead of falling back to an older checkpoint: such a folder is intact as
+written, not damaged.
+
 Every rank calls every participant's ``state_dict()`` (gathering a sharded
 state is a collective); rank 0 writes the shared states, every rank its own.
 Participants registered with ``scope="sharded"`` (FSDP's model and optimizer,
@@ -58,6 +64,7 @@ from typing import Any
 import torch
 
 from pimm.engines.state.participants import as_participant
+from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file, non_data_parts
 from pimm.engines.state.snapshot import SnapshotBuffers
 from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
 from pimm.utils import comm
@@ -242,6 +249,10 @@ class CheckpointManager:
         self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
         self.snapshot_buffers = SnapshotBuffers()  # pinned host buffers for CUDA states, reused across saves
+        # The opt-in (trust_checkpoint_code) for checkpoints written before states were plain data:
+        # a file refused as data is then loaded in full, with a warning (pimm.engines.state.safe_load).
+        self.trust_code = False
+        self._warned: set[tuple[str, tuple]] = set()  # (participant, types) already warned about at a save
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
@@ -362,12 +373,14 @@ class CheckpointManager:
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
         entries = {rank_file: _save_synced(per_rank, tmp / rank_file)}
+        self._warn_unless_data(per_rank, tmp / rank_file)
         if "sharded" in manifest:
             entries.update(_entries(tmp, own_shard_files(tmp / SHARDED_DIR, rank)))
         _write_json_synced(entries, tmp / f"{rank_file}.done")
         if rank != 0:
             return
         files = {COMMON: _save_synced(shared, tmp / COMMON)}
+        self._warn_unless_data(shared, tmp / COMMON)
         world = manifest["world_size"]
         deadline = time.monotonic() + self.commit_timeout_s
         for other in range(world):
@@ -394,6 +407,18 @@ class CheckpointManager:
         if self.tracer is not None:
             self.tracer.complete("checkpoint_commit", self.tracer.now() - int((time.perf_counter() - start) * 1e9),
                                  thread="checkpoint-writer" if self.async_write else None)
+
+    def _warn_unless_data(self, state: dict, path: Path) -> None:
+        """Warn (once per participant and type) when a state just written is more than data:
+        a resume would refuse it (pimm.engines.state.safe_load)."""
+        for name, refused in non_data_parts(state, path).items():
+            if (name, tuple(refused)) in self._warned:
+                continue
+            self._warned.add((name, tuple(refused)))
+            self.logger.warning(
+                f"Checkpoint participant {name!r} saves {', '.join(refused)} in {path.name}, which a resume loads only "
+                "with trust_checkpoint_code=True: its state_dict() should return plain data (tensors, numbers, "
+                "strings, lists, dicts; e.g. float(x) for a NumPy scalar)")
 
     def _move_aside(self, path: Path) -> Path:
         index = 1
@@ -454,19 +479,36 @@ class CheckpointManager:
         if verdict != "ok":
             raise ValueError(verdict)
         manifest = self._read_manifest(path)
-        common = torch.load(path / COMMON, map_location="cpu", weights_only=False)
+        common = self.load_state(path / COMMON)
         rank_file = path / f"rank{rank:05d}.pth"
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.exists() else None
+        rank_state = self.load_state(rank_file) if rank_file.exists() else None
         return LoadedCheckpoint(path, manifest, common, rank_state)
+
+    def load_state(self, path: Path) -> Any:
+        """One state file of a checkpoint, loaded as data (an :class:`UnsafeCheckpointError`
+        when it holds anything else and :attr:`trust_code` is off)."""
+        return load_state_file(path, trust_code=self.trust_code, logger=self.logger)
+
+    def _attempt(self, path: Path) -> tuple[LoadedCheckpoint | None, str | None, str | None]:
+        """(the loaded checkpoint, why it cannot be used, why it was refused as more than data)."""
+        try:
+            return self._try_load(path, comm.get_rank()), None, None
+        except UnsafeCheckpointError as err:
+            return None, str(err), str(err)
+        except Exception as err:  # a damaged file may fail in many ways
+            return None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}", None
+
+    @staticmethod
+    def _refusal(refused: str | None) -> str:
+        """The first rank's refusal (one line naming the file and the type), agreed on every rank."""
+        return next(line for line in comm.all_gather_object(refused) if line)
 
     def load(self, path: str | Path) -> LoadedCheckpoint:
         """The checkpoint folder ``path`` (anywhere), verified and read on every
         rank; a :class:`CheckpointError` saying why when any rank cannot use it."""
-        rank = comm.get_rank()
-        try:
-            loaded, error = self._try_load(Path(path), rank), None
-        except Exception as err:  # a damaged file may fail in many ways
-            loaded, error = None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        loaded, error, refused = self._attempt(Path(path))
+        if comm.any_rank(refused is not None):
+            raise CheckpointError(f"resume={str(path)!r}: {self._refusal(refused)}")
         if comm.any_rank(loaded is None):
             raise CheckpointError(f"resume={str(path)!r} cannot be used: {error or 'unreadable on another rank'}; "
                                   "nothing was changed (pick another checkpoint folder, or resume=True for the newest "
@@ -475,16 +517,22 @@ class CheckpointManager:
 
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest checkpoint that every rank can read, or None. The ones
-        passed over are in :attr:`rejected` with the reason, and logged."""
-        rank = comm.get_rank()
+        passed over (damaged, uncommitted) are in :attr:`rejected` with the
+        reason, and logged. A checkpoint refused because it holds more than
+        data is not damage: that stops the resume (a :class:`CheckpointError`
+        naming the file, the type and the older checkpoints) instead of
+        silently continuing from an older one."""
         candidates = comm.broadcast_object([str(p) for p in reversed(self.step_folders())])
         self.rejected = []
-        for candidate in candidates:
+        for index, candidate in enumerate(candidates):
             path = Path(candidate)
-            try:
-                loaded, error = self._try_load(path, rank), None
-            except Exception as err:  # a damaged file may fail in many ways
-                loaded, error = None, f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+            loaded, error, refused = self._attempt(path)
+            if comm.any_rank(refused is not None):
+                older = next((p for p in candidates[index + 1:] if self.verify(Path(p)) == "ok"), None)
+                hint = (f" To continue from the checkpoint before it instead: resume='{older}' (moves this one "
+                        "aside, deletes nothing)." if older else "")
+                raise CheckpointError(f"resume=True stopped at {path.name} (no fallback to an older checkpoint): "
+                                      f"{self._refusal(refused)}.{hint}")
             if comm.any_rank(loaded is None):
                 reason = error or "unreadable on another rank"
                 self.rejected.append((path, reason))

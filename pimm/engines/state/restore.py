@@ -26,8 +26,7 @@ uninterrupted run exactly.
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import Any, Callable
 
 from pimm.engines.state.manager import CheckpointManager, LoadedCheckpoint
 from pimm.utils.errors import CheckpointError
@@ -42,8 +41,9 @@ _RELEVANT = ("model", "optimizer", "scheduler", "data", "param_dicts", "batch_si
 class RestoreContext:
     """What participants learn and report while they restore."""
 
-    def __init__(self, loaded: LoadedCheckpoint):
+    def __init__(self, loaded: LoadedCheckpoint, load_state: Callable[[Path], Any]):
         self.loaded = loaded
+        self._load_state = load_state  # reads a state file as data (CheckpointManager.load_state)
         self.path: Path = loaded.path
         self.layout_changed: dict = {}
         self.saved_train_state = None
@@ -70,7 +70,7 @@ class RestoreContext:
         """Rank 0's saved state of participant ``name`` (read once, on demand)."""
         if self._rank0 is None:
             path = self.path / "rank00000.pth"
-            self._rank0 = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else {}
+            self._rank0 = self._load_state(path) if path.exists() else {}
         return self._rank0.get(name)
 
 
@@ -103,7 +103,7 @@ def restore_latest(manager: CheckpointManager, world_size: int, config_flat: dic
 def restore_loaded(manager: CheckpointManager, loaded: LoadedCheckpoint, world_size: int, config_flat: dict,
                    logger) -> RestoreContext:
     """Restore every participant from ``loaded`` and report what differs."""
-    context = RestoreContext(loaded)
+    context = RestoreContext(loaded, manager.load_state)
     saved_world = loaded.manifest.get("world_size", world_size)
     manager.restore(loaded, context, skip_rank_states=saved_world != world_size)
     if context.layout_changed:

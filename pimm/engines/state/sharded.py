@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pimm.engines.state.participants import check_model_fits
+from pimm.engines.state.safe_load import read_dcp_metadata, safe_file_system_reader, safe_load_planner
 from pimm.utils.errors import CheckpointError
 
 __all__ = ["SHARDED_DIR", "save_sharded", "sharded_loader", "saved_structure", "ShardedModelParticipant",
@@ -61,10 +62,8 @@ def own_shard_files(folder: Path, rank: int) -> list[Path]:
 
 
 def saved_structure(folder: Path) -> dict[str, dict[tuple, tuple | None]]:
-    """``{participant: {key path: tensor shape or None}}`` from DCP's metadata (one small read)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    """``{participant: {key path: tensor shape or None}}`` from DCP's metadata (one small read, as data)."""
+    metadata = read_dcp_metadata(folder)
     out: dict[str, dict[tuple, tuple | None]] = {}
     for flat, path in (metadata.planner_data or {}).items():
         entry = metadata.state_dict_metadata.get(flat)
@@ -74,12 +73,13 @@ def saved_structure(folder: Path) -> dict[str, dict[tuple, tuple | None]]:
 
 def sharded_loader(folder: Path, name: str) -> Callable[[dict], None]:
     """``load(template)``: fill ``template`` (a state dict shaped like the one
-    saved under ``name``) from the checkpoint, in place (a collective)."""
+    saved under ``name``) from the checkpoint, in place (a collective). Every
+    file is read as data (:mod:`pimm.engines.state.safe_load`)."""
     import torch.distributed.checkpoint as dcp
 
     def load(template: dict) -> None:
         with _quiet_single_process():
-            dcp.load({name: template}, storage_reader=dcp.FileSystemReader(str(folder)))
+            dcp.load({name: template}, storage_reader=safe_file_system_reader(folder), planner=safe_load_planner())
     return load
 
 

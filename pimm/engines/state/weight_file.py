@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file
 from pimm.utils.errors import CheckpointError
 
 __all__ = ["read_weights", "strip_wrapper_prefixes"]
@@ -30,9 +31,13 @@ def read_weights(path: str | Path) -> dict:
     ``state_dict`` / ``model``)."""
     path = Path(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = load_state_file(path)  # as data: a weight file never runs code
     except FileNotFoundError:
         raise CheckpointError(f"weight={str(path)!r}: no such file") from None
+    except UnsafeCheckpointError as err:
+        raise CheckpointError(f"weight={str(path)!r} refused: it refers to {err.global_name}, and a weight "
+                              "file may hold only tensors and plain data, never code; nothing in it was loaded or "
+                              "run (tools/convert_checkpoint.py writes a plain weight file from a checkpoint)") from None
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointError(f"weight={str(path)!r} cannot be read as a torch weight file "

@@ -114,6 +114,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         self.grad_accum_steps = cfg.grad_accum_steps
         self.checkpointer = CheckpointManager(self.save_path / "checkpoints", logger=self.logger)
         self.checkpointer.tracer = self.tracer
+        self.checkpointer.trust_code = bool(cfg.get("trust_checkpoint_code", False))
         self.train_loader = None
         self._val_loader = self._test_loader = None
         self._data_iter = None

@@ -174,7 +174,10 @@ class GRPOTrainer(DefaultTrainer):
     def build_components(self, *args, **kwargs) -> None:
         """DefaultTrainer's components and the rollout cache."""
         super().build_components(*args, **kwargs)
-        self._cache = RolloutCache(self.device, self.step_per)
+        # A rollout's objects (upstream's trajectory classes) are rebuilt on resume only from the
+        # policy's own module and custom_imports: code the config already runs.
+        trusted = (type(self.model_without_ddp).__module__, *(self.cfg.get("custom_imports") or ()))
+        self._cache = RolloutCache(self.device, self.step_per, trusted_modules=trusted)
 
     def extra_state(self) -> list[tuple]:
         """The cached rollout (per rank): a checkpoint between two updates of a

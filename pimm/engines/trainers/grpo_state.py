@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 
 import torch
 
@@ -30,13 +31,68 @@ def _move(obj, device):
     return obj
 
 
+_OBJECT = "__object__"  # marks a plain-data record of an object (upstream's trajectory objects)
+
+
+def _plain(obj):
+    """``obj`` on the CPU as plain data: an object with attributes (an upstream
+    policy's trajectory) becomes ``{"__object__": "module:qualname", "attrs": {...}}``,
+    so the checkpoint loads as data (pimm.engines.state.safe_load)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu")
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        cls = type(obj)
+        return {_OBJECT: f"{cls.__module__}:{cls.__qualname__}", "attrs": _plain(vars(obj))}
+    return obj
+
+
+def _trusted_class(name: str, modules: tuple[str, ...]) -> type:
+    """The class ``module:qualname`` names, if it is defined in one of ``modules``
+    (the policy's own module and the config's ``custom_imports``: code the
+    config already runs), already imported, and builds without code of its own
+    (no ``__new__``); otherwise a CheckpointError: a checkpoint never picks
+    which code runs."""
+    module_name, _, qualname = name.partition(":")
+    cls = sys.modules.get(module_name) if module_name in modules else None
+    for part in qualname.split(".") if cls is not None else ():
+        cls = getattr(cls, "__dict__", {}).get(part)  # own attributes only: no __getattr__ runs
+    if not isinstance(cls, type) or cls.__module__ != module_name or cls.__new__ is not object.__new__:
+        raise CheckpointError(
+            f"the checkpoint's GRPO rollout holds a {name} object, which is not a plain class of the policy's "
+            f"module or of custom_imports ({', '.join(modules) or 'none'}); a checkpoint may rebuild only those. "
+            "Resume with the policy and custom_imports that wrote it")
+    return cls
+
+
+def _rebuild(obj, device, modules: tuple[str, ...]):
+    """:func:`_plain`'s result back: tensors on ``device``, objects rebuilt
+    (``object.__new__`` and their attributes: no ``__init__`` runs)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict) and _OBJECT in obj:
+        rebuilt = object.__new__(_trusted_class(str(obj[_OBJECT]), modules))
+        rebuilt.__dict__.update(_rebuild(obj["attrs"], device, modules))
+        return rebuilt
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, device, modules) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, device, modules) for v in obj)
+    return _move(obj, device)  # a checkpoint from before states were plain (trust_checkpoint_code)
+
+
 class RolloutCache:
     """The rollout being trained on and its updates' metrics so far; a per-rank
     checkpoint participant (with ``step_per="update"`` a checkpoint may fall
     between two updates of a rollout)."""
 
-    def __init__(self, device: torch.device, step_per: str = "update"):
+    def __init__(self, device: torch.device, step_per: str = "update", trusted_modules: tuple[str, ...] = ()):
         self.device, self.step_per = device, step_per
+        # Where the classes of a rollout's objects may come from on restore (see _trusted_class).
+        self.trusted_modules = tuple(trusted_modules)
         self.rollout: dict | None = None
         self.batch: dict | None = None  # for hooks' input_dict only; not checkpointed
         self.history: list[dict[str, torch.Tensor]] = []
@@ -53,8 +109,8 @@ class RolloutCache:
         self.history = []
 
     def state_dict(self) -> dict:
-        """The rollout and history on the CPU (None when between rollouts)."""
-        return {"rollout": _move(self.rollout, "cpu"), "history": _move(self.history, "cpu"),
+        """The rollout and history on the CPU as plain data (None when between rollouts)."""
+        return {"rollout": _plain(self.rollout), "history": _plain(self.history),
                 "step_per": self.step_per, "all_nan_run": self.all_nan_run, "useless_run": self.useless_run}
 
     def load_state_dict(self, state: dict) -> None:
@@ -65,8 +121,8 @@ class RolloutCache:
             raise CheckpointError(f"this run was checkpointed with train.step_per={saved!r} and resumes with "
                                   f"{self.step_per!r}: its step numbers, epoch length and data position count "
                                   f"differently; resume with step_per={saved!r}")
-        self.rollout = _move(state["rollout"], self.device)
-        self.history = _move(list(state["history"]), self.device)
+        self.rollout = _rebuild(state["rollout"], self.device, self.trusted_modules)
+        self.history = _rebuild(list(state["history"]), self.device, self.trusted_modules)
         self.all_nan_run = int(state.get("all_nan_run", 0))  # absent from older checkpoints
         self.useless_run = int(state.get("useless_run", 0))
         self.batch = None

@@ -1,0 +1,206 @@
+"""Reading checkpoint files back as data, never as code.
+
+A ``.pth`` file is a pickle, and unpickling can call any function the file
+names: a checkpoint folder that someone else wrote (a colleague's run being
+forked, a folder copied from another cluster) could run code on the machine
+that resumes from it. So every file pimm reads back is loaded with
+``torch.load(..., weights_only=True)``: tensors, numbers, strings, ``None``,
+lists, tuples, dicts and ``OrderedDict`` only, plus the types in
+:data:`ALLOWED_TYPES` (a short, reviewed allowlist of pimm's own types; empty
+today: every state pimm saves is plain). A file that names anything else is
+refused with one line naming the file and the type (:class:`UnsafeCheckpointError`,
+exit 2), before anything in it is built.
+
+``trust_code=True`` is the explicit opt-in for checkpoints written before pimm
+saved plain states (their RNG states hold NumPy arrays): the file is first
+tried as data and, only if that is refused, loaded with the full unpickler,
+with a warning naming the file and what it trusted.
+
+A save checks its own files the same way (:func:`non_data_parts`): a
+participant whose ``state_dict()`` holds anything else (a NumPy scalar from a
+user's hook, say) is named in a warning at the save, not discovered at the
+resume.
+
+Distributed Checkpoint's ``.metadata`` file (FSDP runs) is a plain pickle of
+torch's own metadata classes; :func:`read_dcp_metadata` reads it with an
+unpickler that knows only those (:data:`DCP_METADATA_GLOBALS`), and
+:func:`safe_load_planner` loads the small non-tensor values of a sharded
+state (param-group settings) with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pimm.utils.errors import CheckpointError
+
+__all__ = ["ALLOWED_TYPES", "UnsafeCheckpointError", "load_state_file", "non_data_parts", "offending_global",
+           "read_dcp_metadata",
+           "safe_file_system_reader", "safe_load_planner", "TRUST_HINT"]
+
+# pimm's own types a checkpoint may hold (each one reviewed: building it runs no
+# code beyond setting fields). Empty: every state pimm writes is plain data.
+ALLOWED_TYPES: tuple[type, ...] = ()
+
+# What the refusal suggests for the run's own old checkpoints (the CLI tool passes its flag).
+TRUST_HINT = "trust_checkpoint_code=True"
+
+# torch's refusals name the global ("GLOBAL numpy._core.multiarray._reconstruct was not an
+# allowed global", "unsupported GLOBAL posix.system whose module posix is blocked").
+_GLOBAL = re.compile(r"GLOBAL\s+([A-Za-z_][\w.]*)")
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds something other than data (a type outside the
+    allowlist); nothing in it was built or run."""
+
+    def __init__(self, path: Path, global_name: str, trust_hint: str | None = TRUST_HINT):
+        self.path, self.global_name = Path(path), global_name
+        opt_in = (f" If you wrote this checkpoint yourself with a pimm from before checkpoints were loaded as data, "
+                  f"{trust_hint} loads it (it runs whatever the file contains)" if trust_hint else "")
+        super().__init__(
+            f"{path} refused: it refers to {global_name}, and a checkpoint may hold only data (tensors, numbers, "
+            f"strings, lists, dicts), never code; nothing in it was loaded or run.{opt_in}")
+
+
+def offending_global(err: BaseException) -> str | None:
+    """The global (``module.name``) a weights-only load refused, from torch's message; None if it names none."""
+    match = _GLOBAL.search(str(err))
+    return match.group(1) if match else None
+
+
+def load_state_file(path: str | Path, trust_code: bool = False, logger: logging.Logger | None = None,
+                    trust_hint: str = TRUST_HINT) -> Any:
+    """``torch.load(path)`` as data (see the module docstring); an
+    :class:`UnsafeCheckpointError` when the file holds anything else, unless
+    ``trust_code`` (then it is loaded in full, with a warning)."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(ALLOWED_TYPES)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        name = offending_global(err)
+        if name is None:
+            raise  # not a refused type: a damaged file, reported by the caller as such
+        if not trust_code:
+            raise UnsafeCheckpointError(path, name, trust_hint) from None
+    (logger or logging.getLogger("pimm")).warning(
+        f"Loading {path} with the full unpickler ({TRUST_HINT.split('=')[0]}): it refers to {name}, which a "
+        "checkpoint written by this pimm never does; only do this for checkpoints you trust")
+    return torch.load(path, map_location="cpu", weights_only=False)  # the documented opt-in (trust_code)
+
+
+def non_data_parts(state: dict, path: Path) -> dict[str, list[str]]:
+    """``{participant: [global, ...]}`` for the top-level entries of ``state``
+    (just written to ``path``) that a load as data would refuse; empty when the
+    file is plain. The written file's pickle is scanned (no second save) and
+    only a refused file is taken apart by participant."""
+    if not torch.serialization.get_unsafe_globals_in_checkpoint(path):
+        return {}
+    parts = []
+    for name, value in state.items():
+        if isinstance(value, list) and all(isinstance(v, dict) and "type" in v for v in value):
+            parts += [(f"{name}: {v['type']}", v) for v in value]  # the hooks, one by one
+        else:
+            parts.append((str(name), value))
+    found = {}
+    for name, value in parts:
+        blob = io.BytesIO()
+        torch.save(value, blob)
+        blob.seek(0)
+        refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(blob))
+        if refused:
+            found[name] = refused
+    return found
+
+
+# -- Distributed Checkpoint (FSDP's sharded/ folder) ---------------------------------
+@functools.lru_cache(maxsize=1)
+def _dtype_names() -> frozenset[str]:
+    return frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
+
+
+# Everything DCP's FileSystemWriter pickles into ``.metadata``: its own dataclasses, a
+# path (the checkpoint id), sizes, dtypes and the layout lookup. Building any of them runs no user code.
+DCP_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`DCP_METADATA_GLOBALS` and torch's dtypes."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and name in _dtype_names()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(self.path, f"{module}.{name}", trust_hint=None)
+
+    def persistent_load(self, pid):
+        raise UnsafeCheckpointError(self.path, "a persistent reference", trust_hint=None)
+
+
+def read_dcp_metadata(folder: str | Path):
+    """DCP's ``.metadata`` of ``folder``, read without running code."""
+    path = Path(folder) / ".metadata"
+    with open(path, "rb") as fh:
+        return _MetadataUnpickler(io.BytesIO(fh.read()), path).load()
+
+
+def safe_file_system_reader(folder: str | Path):
+    """A ``FileSystemReader`` for ``folder`` whose metadata read is :func:`read_dcp_metadata`
+    (the shards themselves DCP already loads with ``weights_only=True``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        # No **kwargs: DCP then never falls back to per-rank metadata files, which pimm does not write.
+        def read_metadata(self):
+            metadata = read_dcp_metadata(folder)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(folder))
+
+
+def safe_load_planner():
+    """DCP's default load planner, but the non-tensor values of a sharded state
+    (saved as small ``torch.save`` blobs) load with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                name = offending_global(err)
+                raise UnsafeCheckpointError(Path(f"sharded/ value {read_item.dest_index.fqn}"), name or "non-data",
+                                            trust_hint=None) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner()
