@@ -9,7 +9,9 @@ usage, config or input (one ``error:`` line, no traceback unless
 ``PIMM_DEBUG=1``); 75 pre-empted — after a committed checkpoint, or during
 start-up before training began (nothing is lost either way: rerun with
 ``resume=True``); 1 any other failure (traceback in ``train.log``); 130
-interrupted from the keyboard.
+interrupted from the keyboard: after the checkpoint of the step in progress
+(one Ctrl-C: the line says how to resume), or at once with nothing new
+committed (a second Ctrl-C, or Ctrl-C during start-up).
 """
 
 from __future__ import annotations
@@ -25,23 +27,23 @@ import traceback
 from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
-from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
+from pimm.engines.control import ABORT_NOW, STANDARD_PREEMPT, ignore_unhandled_usr1
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
+from pimm.engines.run_summary import resume_command
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
 from pimm.utils.config import Config
-from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
+from pimm.utils.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError,
+                               TrainingInterrupted, TrainingPreempted, UserError)
 from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.logger import FILE_ONLY, log_file, setup_logger
 from pimm.utils.run_lock import RunLock
 
 __all__ = ["main", "load_config", "prepare_config", "build_trainer", "build_tester"]
-
-EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -204,13 +206,16 @@ def _run(args, mode: str, attempt_box: list) -> int:
 
 _PREEMPT_NAMES: list[str] = []
 _LOCKS: list = []  # the run locks this process took (for the reason when one was lost)
+_RUN: dict = {}  # save_path and world size once known, for the line an interruption prints
 
 
 def _stop_writing(reason: str) -> None:
     """The run lock was taken by another run (found by its heartbeat thread):
-    interrupt the main thread at once; :func:`main` reports ``reason``, exit 2."""
+    interrupt the main thread at once (not the graceful first Ctrl-C: nothing
+    more may be written); :func:`main` reports ``reason``, exit 2."""
     import _thread
 
+    ABORT_NOW.set()
     _thread.interrupt_main()
 
 
@@ -247,6 +252,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     if mode == "train":
         _resume_after_elastic_restart(cfg)
         _take_run_lock(cfg, lock)
+        _RUN.update(save_path=os.path.abspath(cfg.save_path), world_size=comm.get_world_size(), rank=comm.get_rank())
     _install_startup_signals(cfg.preempt_signals)
     _PREEMPT_NAMES[:] = cfg.preempt_signals
     _resolve_seed(cfg)
@@ -284,7 +290,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
             trainer.train()
         else:
             trainer.test()
-    except (UserError, TrainingPreempted):
+    except (UserError, TrainingPreempted, TrainingInterrupted, KeyboardInterrupt):
         raise
     except BaseException as err:
         if not getattr(err, "_pimm_logged", False):
@@ -326,6 +332,8 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
     input: it prints one ``error:`` line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
+    _RUN.clear()
+    ABORT_NOW.clear()
     attempt_box: list = []
     code, reason = EXIT_FAILURE, "failed"
     try:
@@ -364,6 +372,12 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
             _report_error(f"error: pre-empted by {err}; nothing was lost: rerun with resume=True (exit code "
                           f"{EXIT_PREEMPTED})")
         return code
+    except TrainingInterrupted as err:
+        code, reason = EXIT_INTERRUPTED, f"interrupted: {err}"
+        if _RUN.get("rank", 0) == 0:
+            _report_error(f"interrupted (Ctrl-C): checkpoint committed; continue with: "
+                          f"{resume_command(_RUN['save_path'], _RUN['world_size'])}")
+        return code
     except KeyboardInterrupt:
         lost = _lost_lock()
         if lost is not None:  # the heartbeat interrupted us: another run took save_path
@@ -371,7 +385,12 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
             _report_error(f"error: {lost}")
             return code
         code, reason = EXIT_INTERRUPTED, "interrupted"
-        _report_error("error: interrupted")
+        if "save_path" in _RUN:
+            if _RUN.get("rank", 0) == 0:
+                _report_error("error: aborted (Ctrl-C): no new checkpoint; the last committed one (if any) is "
+                              f"resumed by: {resume_command(_RUN['save_path'], _RUN['world_size'])}")
+        else:
+            _report_error("error: interrupted")
         return code
     except Exception as err:
         code, reason = EXIT_FAILURE, f"failed: {type(err).__name__}: {err}"

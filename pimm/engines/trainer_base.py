@@ -21,6 +21,11 @@
     finally:
         after_train                            # always; trainer.outcome says how it ended
     pre-empted: raise TrainingPreempted        # the CLI exits 75; a requested stop returns (exit 0)
+    Ctrl-C: raise TrainingInterrupted          # the CLI prints the resume command, exits 130
+
+A second Ctrl-C raises KeyboardInterrupt wherever the main thread is: the
+run is ``aborted``, :meth:`abort_saves` abandons the checkpoint in flight
+(never committed), and the CLI exits 130.
 
 Subclasses build the components and implement :meth:`run_step`,
 :meth:`restore`, :meth:`save_checkpoint` and :meth:`finish`. Hook dispatch
@@ -38,12 +43,12 @@ from pimm.engines.hooks.base import PHASES, HookBase, get_priority
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
 from pimm.engines.tracing import NULL_TRACER
-from pimm.utils.errors import TrainingPreempted, UserError
+from pimm.utils.errors import TrainingInterrupted, TrainingPreempted, UserError
 from pimm.utils.logger import FILE_ONLY
 
 __all__ = ["TrainerBase"]
 
-OUTCOMES = ("running", "completed", "stopped", "preempted", "failed")
+OUTCOMES = ("running", "completed", "stopped", "preempted", "interrupted", "failed", "aborted")
 
 
 class TrainerBase:
@@ -145,9 +150,16 @@ class TrainerBase:
             looping = True
             stopped = self._run_epochs()
             if stopped:
-                tracer.instant("preempted" if self.control.preempted else "stop", reason=self.control.describe())
+                tracer.instant(self._stop_kind(), reason=self.control.describe())
             self.finish(stopped)
-            self.outcome = ("preempted" if self.control.preempted else "stopped") if stopped else "completed"
+            self.outcome = self._stop_kind() if stopped else "completed"
+        except KeyboardInterrupt as exc:  # a second Ctrl-C (or a lost run lock): stop now, commit nothing new
+            self.outcome = "aborted"
+            self.logger.warning(f"Aborted at epoch {self.epoch + 1}, step {self.global_step}: no new checkpoint "
+                                "(the last committed one stays)")
+            self.abort_saves()
+            self.call_hooks("on_exception", exc)
+            raise
         except BaseException as exc:
             self.outcome = "failed"
             if not isinstance(exc, UserError):
@@ -169,13 +181,20 @@ class TrainerBase:
                 try:
                     self.close()
                 except Exception:
-                    if self.outcome != "failed":
+                    if self.outcome not in ("failed", "aborted"):
                         raise
                     # A full disk fails the writers' flush too: keep the first error, not this one.
                     self.logger.error("Closing after the failure failed as well", exc_info=True, extra=FILE_ONLY)
                 tracer.close()
         if self.outcome == "preempted":
             raise TrainingPreempted(self.control.describe())
+        if self.outcome == "interrupted":
+            raise TrainingInterrupted(self.control.describe())
+
+    def _stop_kind(self) -> str:
+        """The outcome of a stop: "preempted", "interrupted" (Ctrl-C) or "stopped" (a request)."""
+        control = self.control
+        return "preempted" if control.preempted else "interrupted" if control.interrupted else "stopped"
 
     def _run_epochs(self) -> bool:
         """The epoch loop; True when it was left by a stop."""
@@ -254,6 +273,9 @@ class TrainerBase:
 
     def report_failure(self, exc: BaseException) -> None:
         """Record a failure where the user looks (the dashboards); must not raise."""
+
+    def abort_saves(self) -> None:
+        """A second Ctrl-C: abandon any checkpoint being written, uncommitted; must not raise."""
 
 
 def _traced_hook(tracer, hook, phase: str):

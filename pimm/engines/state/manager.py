@@ -84,15 +84,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _Aborted(Exception):
+    """The save was abandoned (:meth:`CheckpointManager.abort`): nothing is committed."""
+
+
 class _ChecksummingFile:
     """Write-only file wrapper that keeps a CRC-32 of everything written, so a
-    checkpoint's checksum costs no second read."""
+    checkpoint's checksum costs no second read; a set ``abort`` event stops the
+    write at its next chunk."""
 
-    def __init__(self, fh):
-        self.fh, self.crc, self.size = fh, 0, 0
+    def __init__(self, fh, abort: threading.Event | None = None):
+        self.fh, self.crc, self.size, self.abort = fh, 0, 0, abort
         self.error: OSError | None = None  # the OS error of a failed write (torch.save may hide it)
 
     def write(self, data) -> int:
+        if self.abort is not None and self.abort.is_set():
+            raise _Aborted("checkpoint save abandoned")
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
         try:
@@ -109,11 +116,11 @@ class _ChecksummingFile:
             raise
 
 
-def _save_synced(obj: Any, path: Path) -> dict:
+def _save_synced(obj: Any, path: Path, abort: threading.Event | None = None) -> dict:
     out = None
     try:
         with open(path, "wb") as fh:
-            out = _ChecksummingFile(fh)
+            out = _ChecksummingFile(fh, abort)
             torch.save(obj, out)
             fh.flush()
             os.fsync(fh.fileno())
@@ -242,6 +249,7 @@ class CheckpointManager:
         self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
         self.snapshot_buffers = SnapshotBuffers()  # pinned host buffers for CUDA states, reused across saves
+        self._abort = threading.Event()  # set by abort(): no save commits any more
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
@@ -349,6 +357,24 @@ class CheckpointManager:
         if error is not None:
             raise error
 
+    def abort(self, join_timeout_s: float = 30.0) -> None:
+        """Abandon the save in flight (a second Ctrl-C): the background writer stops
+        at its next chunk or check and commits nothing, and rank 0 removes the
+        temporary folders, so no partial checkpoint is left (committed ones are
+        untouched). No later save of this manager commits either."""
+        self._abort.set()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join(join_timeout_s)
+        self._write_error = None
+        if comm.get_rank() == 0 and self.directory.is_dir():
+            for stale in self.directory.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _check_not_aborted(self, final: Path) -> None:
+        if self._abort.is_set():
+            raise _Aborted(f"checkpoint {final.name} abandoned before its commit")
+
     def _write_guarded(self, *job) -> None:
         try:
             self._write(*job)
@@ -361,18 +387,20 @@ class CheckpointManager:
         shared state, waits for every rank's marker and commits. No collective
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
-        entries = {rank_file: _save_synced(per_rank, tmp / rank_file)}
+        self._check_not_aborted(final)
+        entries = {rank_file: _save_synced(per_rank, tmp / rank_file, self._abort)}
         if "sharded" in manifest:
             entries.update(_entries(tmp, own_shard_files(tmp / SHARDED_DIR, rank)))
         _write_json_synced(entries, tmp / f"{rank_file}.done")
         if rank != 0:
             return
-        files = {COMMON: _save_synced(shared, tmp / COMMON)}
+        files = {COMMON: _save_synced(shared, tmp / COMMON, self._abort)}
         world = manifest["world_size"]
         deadline = time.monotonic() + self.commit_timeout_s
         for other in range(world):
             marker = tmp / f"rank{other:05d}.pth.done"
             while not marker.exists():
+                self._check_not_aborted(final)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"checkpoint {final.name}: rank {other} did not finish writing its file "
                                        f"within {self.commit_timeout_s:g}s")
@@ -385,6 +413,7 @@ class CheckpointManager:
         _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
         _fsync_dir(tmp)
         check_held(self.directory)  # never commit into a directory another run took over (exit 2)
+        self._check_not_aborted(final)
         os.replace(tmp, final)
         _fsync_dir(self.directory)
         self.apply_retention()
