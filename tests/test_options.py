@@ -246,7 +246,8 @@ def test_misspelt_hook_parameter_names_the_nearest_real_one():
     assert str(info.value) == ("--options hooks.CheckpointSaver.save_frequency: hook CheckpointSaver has no "
                                "parameter 'save_frequency' (did you mean 'hooks.CheckpointSaver.save_freq'?)")
     with pytest.raises(ConfigError, match="no parameter 'zzz' \\(it takes: save_freq, save_every_seconds, keep_last, "
-                                          "keep_best, keep_every, keep_all, time_check_every, async_write, keep, priority\\)"):
+                                          "keep_best, keep_every, keep_all, time_check_every, async_write, keep, "
+                                          "save_every_minutes, priority\\)"):
         cfg.merge_from_options(["hooks.-1.zzz=1"])
     assert cfg == rings()
 

@@ -39,5 +39,5 @@ hooks = [
     dict(type="InformationWriter", log_frequency=100),
     dict(type="InsSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
     dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
-    dict(type="CheckpointSaver", save_freq=875),
+    dict(type="CheckpointSaver", save_freq=875, save_every_minutes=5),
 ]

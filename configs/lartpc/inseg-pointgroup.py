@@ -20,5 +20,5 @@ hooks = [
     dict(type="ProgressBar"),
     dict(type="InsSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
     dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
-    dict(type="CheckpointSaver", save_freq=500),
+    dict(type="CheckpointSaver", save_freq=500, save_every_minutes=5),
 ]

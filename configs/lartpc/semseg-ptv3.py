@@ -71,5 +71,5 @@ hooks = [
     dict(type="InformationWriter", log_frequency=50),
     dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"],
          every_n_steps=300),
-    dict(type="CheckpointSaver", save_freq=600),
+    dict(type="CheckpointSaver", save_freq=600, save_every_minutes=2),  # steps are long: bound the loss in time too
 ]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -117,6 +117,7 @@ class StopControl:
         self._agreed = False
         self._signal_name: str | None = None
         self._previous: dict = {}
+        self._ballots: list[tuple[int, Callable[[], bool], Callable[[], None]]] = []
 
     # -- requests -------------------------------------------------------
     def request(self, reason: str, agreed: bool = False) -> None:
@@ -164,19 +165,33 @@ class StopControl:
         self._previous.clear()
 
     # -- the step-boundary check ------------------------------------------
+    def add_ballot(self, every: int, vote: Callable[[], bool], on_agreed: Callable[[], None]) -> None:
+        """Agree on one more flag across ranks, in the stop check's all-reduce
+        (no collective of its own): every ``every`` steps each rank casts
+        ``vote()`` (e.g. True on rank 0 only, when its clock says a save is due),
+        and when any rank voted True, ``on_agreed()`` runs on every rank at that
+        step boundary. The check then also runs at those steps. Used only when
+        several processes run (a single process decides alone)."""
+        self._ballots.append((max(1, int(every)), vote, on_agreed))
+
     def should_stop(self, global_step: int) -> bool:
         """True on every rank at the same step boundary once a stop is due."""
         if not self.distributed:
             return self.pending
         if self._agreed:  # requested on every rank at this very step: no collective needed
             return True
-        if global_step % self.check_every:
+        ballots = [b for b in self._ballots if global_step % b[0] == 0]
+        if global_step % self.check_every and not ballots:
             return False
         local = (_PREEMPTED if self.preempted else _INTERRUPTED if self.interrupted
                  else _REQUESTED if self.pending else _NONE)
-        flag = torch.tensor([float(local)])
-        agreed = int(comm.all_reduce(flag, op="max").item())
+        flags = torch.tensor([float(local), *(1.0 if vote() else 0.0 for _, vote, _ in ballots)])
+        agreed_flags = comm.all_reduce(flags, op="max").tolist()  # one transfer for all flags
+        agreed = int(agreed_flags[0])
         if agreed == _NONE:
+            for (_, _, on_agreed), flag in zip(ballots, agreed_flags[1:]):
+                if flag:
+                    on_agreed()
             return False
         if agreed == _PREEMPTED:
             self.preempted = True

@@ -23,6 +23,7 @@ import os
 import random
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from pimm.engines.control import ABORT_NOW, STANDARD_PREEMPT, ignore_unhandled_u
 from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
-from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
-from pimm.engines.run_summary import resume_command
+from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, test_source, write_config
+from pimm.engines.run_summary import end_of_run_summary, resume_command
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
@@ -54,8 +55,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(mode: str) -> _Parser:
     parser = _Parser(prog=f"tools/{mode}.py", description=f"pimm {mode}")
-    parser.add_argument("--config-file", metavar="CFG", required=mode != "train",
-                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else ""))
+    parser.add_argument("--config-file", metavar="CFG",
+                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else
+                                                     " with --options weight=PATH (or give RUN_DIR instead)"))
+    if mode == "test":
+        parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                            help="a training run's save_path: test it from its own config.py on data.test")
+        parser.add_argument("--checkpoint", metavar="best|last|PATH", default=None,
+                            help="with RUN_DIR: the weights to test: best (model/model_best.pth, the default), last "
+                                 "(model/model_last.pth), a weight file or a checkpoints/step... folder")
     if mode == "train":
         parser.add_argument("--resume", metavar="RUN_DIR",
                             help="continue the run in RUN_DIR from its own recorded config.py (no --config-file "
@@ -73,13 +81,23 @@ def _parser(mode: str) -> _Parser:
 def _config_source(args) -> tuple[str, list[str]]:
     """The config file and options a command line names (``--resume RUN_DIR``:
     the run's recorded config, placed where it was found)."""
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir:
+        if args.config_file:
+            raise UserError(f"give the run directory ({run_dir}) or --config-file, not both")
+        recorded, placed = test_source(run_dir, args.checkpoint or "best")
+        return recorded, [*placed, *args.options]
+    if getattr(args, "checkpoint", None):
+        raise UserError("--checkpoint chooses weights of a run: give the run directory too (pimm test RUN_DIR "
+                        "--checkpoint best|last|PATH)")
     resume_dir = getattr(args, "resume", None)
     if resume_dir:
         recorded, placed = run_dir_options(resume_dir)
         return args.config_file or recorded, [*args.options, *placed]
     if not args.config_file:
         raise UserError("give the config with --config-file CFG" +
-                        (", or continue a run with --resume RUN_DIR" if hasattr(args, "resume") else ""))
+                        (", or continue a run with --resume RUN_DIR" if hasattr(args, "resume") else
+                         ", or a training run's directory: pimm test RUN_DIR"))
     return args.config_file, args.options
 
 
@@ -241,6 +259,7 @@ def _take_run_lock(cfg, lock: list) -> None:
 
 
 def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int:
+    started = time.monotonic()
     comm.init_distributed_from_env()
     _install_startup_signals(STANDARD_PREEMPT)
     ignore_unhandled_usr1()  # until a hook (OnDemandValidation) listens for it
@@ -299,7 +318,20 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
         raise
     if mode == "train" and trainer.outcome == "stopped":
         attempt_box.append(f"stopped: {trainer.control.describe()}")
+    if mode == "train" and rank == 0:
+        _log_summary(trainer, time.monotonic() - started)
     return EXIT_OK
+
+
+def _log_summary(trainer, seconds: float) -> None:
+    """The end-of-run summary (:func:`pimm.engines.run_summary.end_of_run_summary`);
+    a run that trained is never failed by its summary."""
+    try:
+        lines = end_of_run_summary(trainer, seconds)
+    except Exception as err:  # noqa: BLE001
+        logging.getLogger("pimm").warning(f"The end-of-run summary could not be made: {type(err).__name__}: {err}")
+        return
+    logging.getLogger("pimm").info("\n".join(lines))
 
 
 def _record_config_after_restore(trainer, cfg) -> None:

@@ -1,6 +1,12 @@
 """What a run says when it ends: the commands that continue, evaluate and plot
 it, and the end-of-run summary (:func:`end_of_run_summary`).
 
+The summary reads ``metrics.jsonl`` (every attempt of the run, so a resumed
+run's best counts its earlier attempts too) for the trainer's headline metric
+(:attr:`TrainerBase.headline_metric`: the training loss, GRPO's mean reward,
+the GAN's statistics gap), and names the best checkpoint's metric when an
+evaluator ranks checkpoints.
+
 The commands are spelled the way this process was started: ``python
 tools/train.py`` when it was, ``pimm train`` otherwise (the console script
 and ``python -m pimm.cli.train`` alike); a run under torchrun is continued by
@@ -9,12 +15,17 @@ rerunning the same torchrun command with ``resume=True``.
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 import shlex
 import sys
 from pathlib import Path
 
-__all__ = ["resume_command", "test_command", "plot_command", "under_torchrun"]
+from pimm.utils.files import read_jsonl
+
+__all__ = ["resume_command", "test_command", "plot_command", "under_torchrun", "headline_values",
+           "end_of_run_summary"]
 
 
 def under_torchrun() -> bool:
@@ -40,9 +51,71 @@ def resume_command(save_path: str | Path, world_size: int = 1) -> str:
 
 def test_command(save_path: str | Path) -> str:
     """The command that evaluates the run's best checkpoint on its test split."""
-    return f"pimm test {shlex.quote(str(save_path))}"
+    return f"{_tool('test')} {shlex.quote(str(save_path))}"
 
 
 def plot_command(save_path: str | Path) -> str:
     """The command that draws the run's curves."""
     return f"pimm plot {shlex.quote(str(save_path))}"
+
+
+def headline_values(save_path: str | Path, tag: str, mode: str) -> dict | None:
+    """``{"last": (step, value), "best": (step, value)}`` of ``tag`` in the run's
+    metrics.jsonl (``mode``: "min" or "max" says which is best), or None when
+    the run never logged a finite value of it."""
+    last = best = None
+    for record in read_jsonl(Path(save_path) / "metrics.jsonl"):
+        value, step = record.get(tag), record.get("step")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            continue
+        last = (step, float(value))
+        if best is None or (value > best[1] if mode == "max" else value < best[1]):
+            best = (step, float(value))
+    return None if last is None else {"last": last, "best": best}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def end_of_run_summary(trainer, seconds: float) -> list[str]:
+    """The lines a finished (or stopped) run prints on rank 0: its outcome and
+    time, the headline metric's last and best values, the best checkpoint,
+    where the checkpoints and dashboards are, and the commands that evaluate,
+    plot and continue it."""
+    save_path = Path(trainer.cfg.save_path).resolve()
+    outcome = trainer.outcome if trainer.outcome != "stopped" else f"stopped: {trainer.control.describe()}"
+    lines = [f"Run {outcome} at step {trainer.global_step} (epoch {trainer.train_state.epoch} of "
+             f"{trainer.max_epoch}) after {datetime.timedelta(seconds=round(seconds))} in this attempt"]
+    tag, mode = trainer.headline_metric
+    values = headline_values(save_path, tag, mode)
+    if values is not None:
+        (last_step, last), (best_step, best) = values["last"], values["best"]
+        lines.append(f"  {tag}: last {_fmt(last)} (step {last_step}), best {_fmt(best)} (step {best_step}; "
+                     f"{'higher' if mode == 'max' else 'lower'} is better)")
+    ranked = trainer.metrics.best
+    model_dir = save_path / "model"
+    if ranked.name is not None and ranked.value is not None:
+        best_file = model_dir / "model_best.pth"
+        where = f" -> {best_file}" if best_file.is_file() else ""
+        lines.append(f"  best checkpoint: {ranked.name} {_fmt(ranked.value)} at step {ranked.step}{where}")
+    checkpoints = trainer.checkpointer.committed() if getattr(trainer, "checkpointer", None) else []
+    if checkpoints:
+        lines.append(f"  checkpoints: {checkpoints[-1]} (newest of {len(checkpoints)} kept); weights in {model_dir}")
+    dashboards = [f"metrics {save_path / 'metrics.jsonl'}"]
+    writer = getattr(trainer, "writer", None)
+    if writer is not None and getattr(writer, "enable_tensorboard", False):
+        dashboards.append(f"tensorboard --logdir {shlex.quote(str(save_path / 'tensorboard'))}")
+    if writer is not None and getattr(writer, "use_wandb", False) and writer.wandb_run_id:
+        dashboards.append(f"W&B run {writer.wandb_run_id}")
+    lines.append("  dashboards: " + "; ".join(dashboards))
+    if trainer.cfg.get("data", {}).get("test") is not None:
+        lines.append(f"  evaluate: {test_command(save_path)}")
+    lines.append(f"  plot: {plot_command(save_path)}")
+    resume = resume_command(save_path, trainer.world_size)
+    if trainer.outcome == "completed":
+        more = " (raise epoch)" if under_torchrun() else f" --options epoch={trainer.max_epoch * 2}"
+        lines.append(f"  train longer: {resume}{more}")
+    else:
+        lines.append(f"  continue: {resume}")
+    return lines

@@ -61,6 +61,10 @@ class TrainerBase:
     ``step_result`` (the last update's grad norm, whether it stepped, its lr),
     ``logger``, ``outcome``."""
 
+    #: The metric a user watches to judge this kind of training, with the
+    #: direction that is better: on the console line and in the end-of-run summary.
+    headline_metric: tuple[str, str] = ("train/loss", "min")
+
     def __init__(self):
         self.hooks: list[HookBase] = []
         self._dispatch: dict[str, tuple] = {phase: () for phase in PHASES}
@@ -208,7 +212,11 @@ class TrainerBase:
             state.epoch += 1
             state.iter_in_epoch = 0
             self.call_hooks("after_epoch")
-            if state.epoch < self.max_epoch and self.control.pending and self.control.should_stop(state.global_step):
+            # Every rank or none enters the check (it may be a collective): a signal that reached one rank
+            # during after_epoch must not send that rank alone into the all-reduce.
+            control = self.control
+            if state.epoch < self.max_epoch and (control.pending or control.distributed) and \
+                    control.should_stop(state.global_step):
                 return True
         return False
 

@@ -116,11 +116,16 @@ class _ChecksummingFile:
             raise
 
 
-def _save_synced(obj: Any, path: Path, abort: threading.Event | None = None) -> dict:
+# The abort event of the save this thread is writing (set by CheckpointManager._write), read by
+# _save_synced: the file writer stops at its next chunk once the save is abandoned.
+_WRITING = threading.local()
+
+
+def _save_synced(obj: Any, path: Path) -> dict:
     out = None
     try:
         with open(path, "wb") as fh:
-            out = _ChecksummingFile(fh, abort)
+            out = _ChecksummingFile(fh, getattr(_WRITING, "abort", None))
             torch.save(obj, out)
             fh.flush()
             os.fsync(fh.fileno())
@@ -388,13 +393,14 @@ class CheckpointManager:
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
         self._check_not_aborted(final)
-        entries = {rank_file: _save_synced(per_rank, tmp / rank_file, self._abort)}
+        _WRITING.abort = self._abort
+        entries = {rank_file: _save_synced(per_rank, tmp / rank_file)}
         if "sharded" in manifest:
             entries.update(_entries(tmp, own_shard_files(tmp / SHARDED_DIR, rank)))
         _write_json_synced(entries, tmp / f"{rank_file}.done")
         if rank != 0:
             return
-        files = {COMMON: _save_synced(shared, tmp / COMMON, self._abort)}
+        files = {COMMON: _save_synced(shared, tmp / COMMON)}
         world = manifest["world_size"]
         deadline = time.monotonic() + self.commit_timeout_s
         for other in range(world):

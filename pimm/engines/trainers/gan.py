@@ -54,6 +54,8 @@ class GANTrainer(DefaultTrainer):
     """
 
     supports_optimizer_parts = True
+    # The generated sample's distance from the real one (RingGANEvaluator); the losses of a GAN say little.
+    headline_metric = ("val/stat_gap", "min")
 
     def __init__(self, cfg, *args, order=None, find_unused_parameters: bool = True, **kwargs):
         self._order_option = order
