@@ -7,7 +7,8 @@
   ``pimm-test`` console scripts);
 * ``trace summarize|export RUN``: :mod:`pimm.tools.trace_report`;
 * ``plot RUN...``: :mod:`pimm.tools.plot`;
-* ``submit``: :mod:`pimm.tools.submit` (SLURM).
+* ``submit``: :mod:`pimm.tools.submit` (SLURM);
+* ``torchrun``: :mod:`pimm.distributed.torchrun` (torchrun with pimm's exit codes: 75 when pre-empted).
 
 Nothing heavy is imported at module level: torch, the models and data sets
 load only for ``train`` / ``test`` (:func:`register_all`), matplotlib only
@@ -91,12 +92,19 @@ def _submit(argv: list[str]) -> int:
     return submit.main(argv)
 
 
+def _torchrun(argv: list[str]) -> int:
+    from pimm.distributed import torchrun
+
+    return torchrun.main(argv)
+
+
 COMMANDS = {
     "train": ("train a model (the arguments of tools/train.py)", lambda argv: _as_verb(argv, "train")),
     "test": ("evaluate weights on the test split (the arguments of tools/test.py)", lambda argv: _as_verb(argv, "test")),
     "trace": ("summarize a run's structured trace, or export it for a trace viewer", _trace),
     "plot": ("draw curves from the metrics.jsonl of one or more runs", _plot),
     "submit": ("submit a training run to SLURM", _submit),
+    "torchrun": ("torchrun (its arguments) that exits 75 when pre-empted and 130 on Ctrl-C", _torchrun),
 }
 _OWN_ERRORS = ("trace", "plot", "submit")  # train/test report their own errors (pimm.engines.launch)
 
