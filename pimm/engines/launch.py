@@ -61,7 +61,7 @@ def _parser(mode: str) -> _Parser:
     if mode == "test":
         parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
                             help="a training run's save_path: test it from its own config.py on data.test")
-        parser.add_argument("--checkpoint", metavar="best|last|PATH", default=None,
+        parser.add_argument("--checkpoint", metavar="WHICH", default=None,
                             help="with RUN_DIR: the weights to test: best (model/model_best.pth, the default), last "
                                  "(model/model_last.pth), a weight file or a checkpoints/step... folder")
     if mode == "train":
