@@ -113,7 +113,8 @@ class StopControl:
         self.pending = False  # any local flag set: the only thing the loop reads per step
         self.reason: str | None = None
         self.preempted = False
-        self.interrupted = False  # a Ctrl-C (SIGINT) asked for the stop
+        self.interrupted = False  # a Ctrl-C (SIGINT) asked for the stop (here or, agreed, on another rank)
+        self._sigint_received = False  # this process got one: the next one aborts
         self._agreed = False
         self._signal_name: str | None = None
         self._previous: dict = {}
@@ -134,8 +135,9 @@ class StopControl:
         self.pending = True
 
     def _on_interrupt(self, signum, frame) -> None:
-        if self.interrupted or ABORT_NOW.is_set():
+        if self._sigint_received or ABORT_NOW.is_set():
             raise KeyboardInterrupt  # the second Ctrl-C: abort now, whatever runs
+        self._sigint_received = True
         self.interrupted = True
         self.pending = True
         message = ("Ctrl-C: finishing this step, then saving a checkpoint and exiting (press Ctrl-C again to abort "

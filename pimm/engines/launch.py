@@ -33,7 +33,7 @@ from pimm.engines.hooks.base import build_hooks
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
 from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, test_source, write_config
-from pimm.engines.run_summary import end_of_run_summary, resume_command
+from pimm.engines.run_summary import log_summary, resume_command
 from pimm.engines.runtime import apply_runtime_defaults, check_required, validate_runtime
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
@@ -319,19 +319,8 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     if mode == "train" and trainer.outcome == "stopped":
         attempt_box.append(f"stopped: {trainer.control.describe()}")
     if mode == "train" and rank == 0:
-        _log_summary(trainer, time.monotonic() - started)
+        log_summary(trainer, time.monotonic() - started)
     return EXIT_OK
-
-
-def _log_summary(trainer, seconds: float) -> None:
-    """The end-of-run summary (:func:`pimm.engines.run_summary.end_of_run_summary`);
-    a run that trained is never failed by its summary."""
-    try:
-        lines = end_of_run_summary(trainer, seconds)
-    except Exception as err:  # noqa: BLE001
-        logging.getLogger("pimm").warning(f"The end-of-run summary could not be made: {type(err).__name__}: {err}")
-        return
-    logging.getLogger("pimm").info("\n".join(lines))
 
 
 def _record_config_after_restore(trainer, cfg) -> None:

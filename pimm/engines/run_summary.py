@@ -16,6 +16,7 @@ rerunning the same torchrun command with ``resume=True``.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import shlex
@@ -25,7 +26,7 @@ from pathlib import Path
 from pimm.utils.files import read_jsonl
 
 __all__ = ["resume_command", "test_command", "plot_command", "under_torchrun", "headline_values",
-           "end_of_run_summary"]
+           "end_of_run_summary", "log_summary"]
 
 
 def under_torchrun() -> bool:
@@ -119,3 +120,15 @@ def end_of_run_summary(trainer, seconds: float) -> list[str]:
     else:
         lines.append(f"  continue: {resume}")
     return lines
+
+
+def log_summary(trainer, seconds: float) -> None:
+    """Log :func:`end_of_run_summary` (rank 0, console and train.log); a run that
+    trained is never failed by its summary."""
+    logger = logging.getLogger("pimm")
+    try:
+        lines = end_of_run_summary(trainer, seconds)
+    except Exception as err:  # noqa: BLE001
+        logger.warning(f"The end-of-run summary could not be made: {type(err).__name__}: {err}")
+        return
+    logger.info("\n".join(lines))
