@@ -191,3 +191,23 @@ def test_abort_stops_a_background_write_in_flight_and_commits_nothing(tmp_path):
     assert not manager._writer and [p.name for p in manager.committed()] == ["step000000005-epoch0000"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step000000005-epoch0000"]
     assert manager.load_latest().common["state"]["value"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, launcher_exit", [("pimm.distributed.torchrun", 130),
+                                                     ("torch.distributed.run", 1)], ids=["pimm-torchrun", "torchrun"])
+def test_ctrl_c_under_torchrun_commits_a_checkpoint_on_every_rank(tmp_path, launcher, launcher_exit):
+    # torchrun starts its workers in sessions of their own: the terminal's SIGINT reaches the launcher only,
+    # which passes it on (plain torchrun through its SignalException, then exits 1; pimm torchrun exits 130).
+    markers = tmp_path / "markers"
+    cfg = _config(tmp_path, markers, 'train = dict(type="DefaultTrainer", stop_check_every=4)\n')
+    save = tmp_path / "run"
+    argv = [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node=2", "--max_restarts=0", TRAIN,
+            "--config-file", str(cfg), "--options", f"save_path={save}"]
+    code, output = run_in_pty(argv, env(), ROOT, [markers / "paused-7"])
+    assert code == launcher_exit, output[-3000:]
+    log = (save / "train.log").read_text()
+    assert "Interrupted by Ctrl-C at step 8: saving a checkpoint" in log and "exiting with code 130" in log
+    assert _resume_line(output) == "the same torchrun command with --options resume=True"
+    committed, others = _checkpoints(save)
+    assert committed[-1] == 8 and others == [], (committed, others)
