@@ -211,3 +211,25 @@ def test_ctrl_c_under_torchrun_commits_a_checkpoint_on_every_rank(tmp_path, laun
     assert _resume_line(output) == "the same torchrun command with --options resume=True"
     committed, others = _checkpoints(save)
     assert committed[-1] == 8 and others == [], (committed, others)
+
+
+def test_a_lost_run_lock_kills_the_num_gpus_ranks_instead_of_passing_a_ctrl_c_on(tmp_path):
+    import _thread
+    import threading
+
+    from pimm.distributed.spawn import spawn_local
+
+    started = tmp_path / "started"
+    code = f"import pathlib, time; pathlib.Path({str(started)!r} + '-' + __import__('os').environ['RANK']).touch(); " \
+           "time.sleep(120)"
+    abort = threading.Event()
+
+    def lose_the_lock():  # what the parent's heartbeat does (pimm.engines.launch._stop_writing)
+        while not all((tmp_path / f"started-{rank}").exists() for rank in range(2)):
+            threading.Event().wait(0.05)
+        abort.set()
+        _thread.interrupt_main()
+
+    threading.Thread(target=lose_the_lock, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        spawn_local(["-c", code], 2, abort=abort)

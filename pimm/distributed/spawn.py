@@ -70,11 +70,13 @@ def _report_killed(rank: int, code: int, log_path: str | None) -> None:
 
 
 def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dict | None = None,
-                log_path: str | None = None) -> int:
+                log_path: str | None = None, abort: threading.Event | None = None) -> int:
     """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks with
     ``env`` added; return the aggregate exit code (0, 75 when all stopped for
     pre-emption, else the failure). A rank killed by a signal (not by this
-    launcher) is reported on stderr and appended to ``log_path``."""
+    launcher) is reported on stderr and appended to ``log_path``. An interrupt
+    of this process while ``abort`` is set (the run lock was lost) kills the
+    ranks at once instead of passing a Ctrl-C on."""
     port = free_port()
     children = []
     seen_errors: set[str] = set()
@@ -92,6 +94,8 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
         pumps.append(pump)
 
     def forward(signum, frame):
+        if signum == signal.SIGINT and abort is not None and abort.is_set():
+            raise KeyboardInterrupt  # below: every rank is killed, nothing more is written
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)

@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
                 _LOCKS[:] = [parent_lock]
                 guard_fresh_run(cfg)
                 return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus,
-                                   env={"PIMM_RUN_LOCK_HELD": "1"}, log_path=str(Path(cfg.save_path) / "train.log"))
+                                   env={"PIMM_RUN_LOCK_HELD": "1"}, log_path=str(Path(cfg.save_path) / "train.log"),
+                                   abort=ABORT_NOW)
         code = _run(args, mode, attempt_box)
         reason = next((r for r in attempt_box if isinstance(r, str)), "completed")
         return code
