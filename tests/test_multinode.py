@@ -8,7 +8,9 @@ an uninterrupted two-process run.
 torchrun forwards the SIGTERM to its workers, which agree on a step, commit
 a checkpoint and exit 75; torchrun itself then exits 1 (it reports every
 non-zero worker exit, 75 included, as a failure), so the test reads the
-outcome from ``train.log``, not from torchrun's exit code.
+outcome from ``train.log``, not from torchrun's exit code. ``pimm torchrun``
+(:mod:`pimm.distributed.torchrun`) runs the same launcher with the signals
+forwarded by pimm and exits 75 on both nodes.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _nodes(cfg: Path, save_path: Path, log_dir: Path, *options: str) -> list[subprocess.Popen]:
+def _nodes(cfg: Path, save_path: Path, log_dir: Path, *options: str,
+           launcher: str = "torch.distributed.run") -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for node_rank in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+        cmd = [sys.executable, "-m", launcher, "--nnodes=2", f"--node_rank={node_rank}",
                "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                f"--rdzv-id=pimm-test-{port}", "--max-restarts=0", str(ROOT / "tools" / "train.py"),
                "--config-file", str(cfg), "--options", f"save_path={save_path}", *options]
@@ -113,6 +116,39 @@ hooks.append(dict(type="PauseForSignal", steps=[{PAUSE}], signals=["SIGTERM"], d
     for key, tensor in expected["state_dict"].items():
         assert torch.equal(done["state_dict"][key], tensor), key
     assert train_losses(save_path) == train_losses(reference)
+
+
+def test_pimm_torchrun_on_two_nodes_exits_75_when_both_are_preempted(tmp_path):
+    markers = tmp_path / "markers"
+    cfg = write_toy_config(tmp_path, tmp_path / "unused", f'''
+custom_imports = ["tests.support.toy", "tests.support.preempt"]
+train = dict(type="DefaultTrainer", stop_check_every=4)
+hooks.append(dict(type="PauseForSignal", steps=[{PAUSE}], signals=["SIGTERM"], directory={str(markers)!r}))
+''')
+    save_path = tmp_path / "run"
+    procs = _nodes(cfg, save_path, tmp_path, launcher="pimm.distributed.torchrun")
+    try:
+        codes = _wait(procs, until=lambda: (markers / f"paused-{PAUSE}").exists())
+        assert codes is None, f"both nodes exited ({codes}) before step {PAUSE}"
+        for p in procs:
+            p.send_signal(signal.SIGTERM)  # to pimm torchrun, which forwards it to its worker
+        codes = _wait(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    log = (save_path / "train.log").read_text()
+    assert codes == [75, 75], log[-3000:] + "".join(p.read_text()[-2000:] for p in tmp_path.glob("node*.txt"))
+    assert "Pre-empted by SIGTERM at step 8" in log
+    assert (save_path / "checkpoints" / "step000000008-epoch0000" / "COMMITTED").is_file()
+
+
+def test_pimm_torchrun_maps_the_workers_exits_and_refuses_its_own_signal_option():
+    from pimm.distributed.torchrun import exit_code_of, main
+
+    assert exit_code_of([75, 75]) == 75 and exit_code_of([75, 130]) == 75 and exit_code_of([130]) == 130
+    assert exit_code_of([75, 1]) == 1 and exit_code_of([-9]) == 1 and exit_code_of([]) == 1
+    assert main(["--signals_to_handle=SIGTERM", "--nproc_per_node=1", "train.py"]) == 2
 
 
 @pytest.mark.parametrize("restart_count, given, expected", [("0", False, False), ("", False, False),

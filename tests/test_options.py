@@ -256,7 +256,7 @@ def test_misspelt_hook_parameter_names_the_nearest_real_one():
                                "parameter 'save_frequency' (did you mean 'hooks.CheckpointSaver.save_freq'?)")
     with pytest.raises(ConfigError, match="no parameter 'zzz' \\(it takes: save_freq, save_every_seconds, keep_last, "
                                           "keep_best, keep_every, keep_all, time_check_every, async_write, keep, "
-                                          "evaluator_every_n_steps, priority\\)"):
+                                          "evaluator_every_n_steps, save_every_minutes, priority\\)"):
         cfg.merge_from_options(["hooks.-1.zzz=1"])
     assert cfg == listing_rings()
 

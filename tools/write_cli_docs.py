@@ -111,7 +111,7 @@ def _help(action: argparse.Action, parser: argparse.ArgumentParser) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.required or not action.option_strings:
+    if action.required or (not action.option_strings and action.nargs not in ("?", "*")):
         return "required"
     if action.nargs == 0 or action.default is None or action.default is argparse.SUPPRESS \
             or action.default == []:
@@ -167,8 +167,12 @@ runtime key table (pimm/engines/runtime.py); edit those, then run that script. -
 Every command prints one `error: ...` line and exits with code 2 on bad
 usage or bad input; a traceback is printed only with `PIMM_DEBUG=1`. Exit
 codes of training: 0 done (or stopped on request), 2 bad input, 75
-pre-empted after a checkpoint (rerun with `resume=True`), 1 any other
-failure ([public contract](contract.md#exit-codes)).
+pre-empted after a checkpoint (rerun with `resume=True`), 130 Ctrl-C (one
+press: after a checkpoint, and the line says how to resume; two: at once),
+1 any other failure ([public contract](contract.md#exit-codes)). A run that
+ends prints a summary: the headline metric's last and best values, the best
+checkpoint, where checkpoints and dashboards are, and the commands that
+evaluate, plot and continue it.
 
 `pimm` is installed with the package (`pip install -e .`, which also installs
 `pimm-train` and `pimm-test`, the same as `pimm train` and `pimm test`); from a
@@ -180,8 +184,11 @@ INTROS = {
     "train": "Train a model from a config file. `--num-gpus N` starts N local processes "
              "(NCCL on GPUs, gloo on CPU); under `torchrun` the processes are detected instead. "
              "Also `pimm train` and `pimm-train`, with the same arguments.",
-    "test": "Evaluate weights (`--options weight=PATH`) on the test split (`data.test`) with the "
-            "config's tester or evaluators, and write `save_path/test_metrics.json`. Also `pimm test` and "
+    "test": "Evaluate weights on the test split (`data.test`) with the config's tester or evaluators, and "
+            "write `save_path/test_metrics.json` (an earlier one is kept aside). `pimm test RUN_DIR` scores a "
+            "training run from its own `config.py`: its best checkpoint (`model/model_best.pth`) by default, "
+            "or `--checkpoint last`, a weight file or a `checkpoints/step...` folder; the results go into "
+            "RUN_DIR. Otherwise give `--config-file CFG --options weight=PATH`. Also `pimm test` and "
             "`pimm-test`, with the same arguments.",
     "trace": "Read a run's structured trace (recorded with `--options structured_logging.enabled=True`; "
              "[Observability](observability.md)).",
@@ -200,6 +207,15 @@ INTROS = {
 }
 
 
+TORCHRUN = ("torchrun's own arguments (`pimm torchrun --nnodes=2 --nproc_per_node=4 ... tools/train.py "
+            "--config-file CFG`, also `python -m pimm.distributed.torchrun`): torch's launcher, run with the "
+            "pre-emption signals and Ctrl-C passed to the workers by pimm, so it exits as `tools/train.py` does: "
+            "75 when the workers stopped for pre-emption with a committed checkpoint, 130 on Ctrl-C, 0 done, 1 a "
+            "failure (torchrun's report on stderr). Plain torchrun exits 1 in all those cases "
+            "([Distributed](distributed.md#several-nodes-with-torchrun)). `--signals_to_handle` is set by "
+            "pimm and refused.")
+
+
 def render_cli_reference() -> str:
     """The text of ``docs/cli.md``."""
     from pimm.cli import COMMANDS
@@ -216,6 +232,7 @@ def render_cli_reference() -> str:
     for name in ("trace", "plot", "submit"):
         lines += _command(f"pimm {name}", captured_parser(_pimm(name)), INTROS[name])
     lines += _command("pimm export", captured_parser(_pimm("export", "RUN", "OUT")), INTROS["pimm_export"])
+    lines += ["## `pimm torchrun`", "", TORCHRUN, ""]
     lines += _command("tools/convert_checkpoint.py", captured_parser(_convert_checkpoint), INTROS["convert"])
     lines += _command("tools/export_pilarnet.py", captured_parser(_export_pilarnet), INTROS["export"])
     lines += ["## Runtime keys", "",

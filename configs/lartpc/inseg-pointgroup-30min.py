@@ -34,4 +34,4 @@ optimizer = dict(type="AdamW", lr=6e-3, weight_decay=1e-4)
 model = dict(agree_radius=(12.0, 6.0, 4.0, 1000.0, 3.0), merge_radius=(35.0, 10.0, 10.0, 0.5, 10.0),
              min_points=(16, 12, 3, 2, 1), absorb_points=2)
 # The evaluators (hooks) as in inseg-pointgroup.py.
-default_hooks = dict(information_writer=dict(log_frequency=100), checkpoint=dict(save_freq=875))
+default_hooks = dict(information_writer=dict(log_frequency=100), checkpoint=dict(save_freq=875, save_every_minutes=5))

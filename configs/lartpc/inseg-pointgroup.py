@@ -14,7 +14,7 @@ model = dict(type="PointGroupLite", num_classes=5, stuff_classes=(4,),
              offset_scale=50.0, offset_weight=1.0, direction_weight=1.0,
              agree_radius=(6.0, 3.0, 4.0, 4.0, 3.0), merge_radius=(35.0, 10.0, 10.0, 10.0, 10.0))
 # The runtime services come from the base's default_hooks (docs/hooks.md).
-default_hooks = dict(information_writer=dict(log_frequency=50), checkpoint=dict(save_freq=500))
+default_hooks = dict(information_writer=dict(log_frequency=50), checkpoint=dict(save_freq=500, save_every_minutes=5))
 hooks = [
     dict(type="InsSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),
     dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"]),

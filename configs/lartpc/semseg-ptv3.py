@@ -66,7 +66,7 @@ model = dict(
 optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.05)
 scheduler = dict(type="CosineWarmupLR", warmup_steps=50)
 # The runtime services come from the base's default_hooks (docs/hooks.md).
-default_hooks = dict(information_writer=dict(log_frequency=50), checkpoint=dict(save_freq=600))
+default_hooks = dict(information_writer=dict(log_frequency=50), checkpoint=dict(save_freq=600, save_every_minutes=2))  # steps are long: bound the loss in time too
 hooks = [
     dict(type="SemSegEvaluator", num_classes=5, class_names=["shower", "track", "michel", "delta", "low_energy"],
          every_n_steps=300),

@@ -9,6 +9,7 @@
 * ``plot RUN...``: :mod:`pimm.tools.plot`;
 * ``submit``: :mod:`pimm.tools.submit` (SLURM);
 * ``export RUN_DIR OUT``: :mod:`pimm.tools.export` (a model for ``pimm.from_pretrained``).
+* ``torchrun``: :mod:`pimm.distributed.torchrun` (torchrun with pimm's exit codes: 75 when pre-empted).
 
 Nothing heavy is imported at module level: torch, the models and data sets
 load only for ``train`` / ``test`` (:func:`register_all`), matplotlib only
@@ -93,6 +94,12 @@ def _submit(argv: list[str]) -> int:
     return submit.main(argv)
 
 
+def _torchrun(argv: list[str]) -> int:
+    from pimm.distributed import torchrun
+
+    return torchrun.main(argv)
+
+
 COMMANDS = {
     "train": ("train a model (the arguments of tools/train.py)", lambda argv: _as_verb(argv, "train")),
     "test": ("evaluate weights on the test split (the arguments of tools/test.py)", lambda argv: _as_verb(argv, "test")),
@@ -100,6 +107,7 @@ COMMANDS = {
     "plot": ("draw curves from the metrics.jsonl of one or more runs", _plot),
     "submit": ("submit a training run to SLURM", _submit),
     "export": ("write a run's model as a portable folder for pimm.from_pretrained", _export),
+    "torchrun": ("torchrun (its arguments) that exits 75 when pre-empted and 130 on Ctrl-C", _torchrun),
 }
 _OWN_ERRORS = ("trace", "plot", "submit", "export")  # train/test report their own errors (pimm.engines.launch)
 

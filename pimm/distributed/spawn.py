@@ -2,9 +2,12 @@
 
 Each child re-runs the same script with ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so the code path is
-the one torchrun takes. The parent forwards pre-emption signals to every
-child and, if one child fails, stops the others instead of leaving them
-blocked in a collective. The children's stderr passes through the parent,
+the one torchrun takes. The parent forwards pre-emption signals and Ctrl-C
+to every child and, if one child fails, stops the others instead of leaving
+them blocked in a collective. The children run in a process group of their
+own, so a Ctrl-C in the terminal reaches each of them once (through the
+parent), not twice (a second SIGINT means "abort now"); on Linux they are
+killed when the parent dies, as they were when they shared its group. The children's stderr passes through the parent,
 which prints an ``error:`` line that several ranks report only once (bad
 input is usually seen by every rank alike).
 """
@@ -19,7 +22,7 @@ import sys
 import threading
 import time
 
-from pimm.utils.errors import EXIT_PREEMPTED
+from pimm.utils.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 __all__ = ["spawn_local", "free_port"]
 
@@ -32,13 +35,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_STOPPED = (0, EXIT_PREEMPTED, EXIT_INTERRUPTED)  # exits that are not failures
+
+
 def _aggregate(codes: list[int]) -> int:
     if all(c == 0 for c in codes):
         return 0
-    if all(c in (0, EXIT_PREEMPTED) for c in codes):
-        return EXIT_PREEMPTED
+    if all(c in _STOPPED for c in codes):  # a pre-emption outranks a Ctrl-C: a job wrapper must requeue
+        return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_INTERRUPTED
     # Killed ranks (negative codes) are victims; report the rank that failed first-hand.
-    failures = [c for c in codes if c not in (0, EXIT_PREEMPTED) and c > 0]
+    failures = [c for c in codes if c not in _STOPPED and c > 0]
     if 2 in failures:
         return 2
     return failures[0] if failures else 1
@@ -64,11 +70,13 @@ def _report_killed(rank: int, code: int, log_path: str | None) -> None:
 
 
 def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dict | None = None,
-                log_path: str | None = None) -> int:
+                log_path: str | None = None, abort: threading.Event | None = None) -> int:
     """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks with
     ``env`` added; return the aggregate exit code (0, 75 when all stopped for
     pre-emption, else the failure). A rank killed by a signal (not by this
-    launcher) is reported on stderr and appended to ``log_path``."""
+    launcher) is reported on stderr and appended to ``log_path``. An interrupt
+    of this process while ``abort`` is set (the run lock was lost) kills the
+    ranks at once instead of passing a Ctrl-C on."""
     port = free_port()
     children = []
     seen_errors: set[str] = set()
@@ -77,13 +85,17 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
     for rank in range(nprocs):
         child_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                          LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        child = subprocess.Popen([sys.executable, *command], env=child_env, stderr=subprocess.PIPE)
+        child = subprocess.Popen([sys.executable, *command], env=child_env, stderr=subprocess.PIPE,
+                                 process_group=0, preexec_fn=_die_with_parent())
         children.append(child)
+    for child in children:  # after every fork: a preexec_fn is safe only while no thread of ours runs
         pump = threading.Thread(target=_pump_stderr, args=(child.stderr, seen_errors, lock), daemon=True)
         pump.start()
         pumps.append(pump)
 
     def forward(signum, frame):
+        if signum == signal.SIGINT and abort is not None and abort.is_set():
+            raise KeyboardInterrupt  # below: every rank is killed, nothing more is written
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
@@ -107,7 +119,7 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
                 for pump in pumps:
                     pump.join(timeout=5)
                 return _aggregate(codes)
-            failure = any(c not in (None, 0, EXIT_PREEMPTED) for c in codes)
+            failure = any(c not in (None, *_STOPPED) for c in codes)
             if failure and failed_at is None:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
@@ -125,6 +137,27 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` that has the child killed when the parent dies (Linux's
+    PR_SET_PDEATHSIG), or None elsewhere. Resolved here, in the parent: the
+    child only makes the one C call between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal():
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: nothing would kill us
+            os._exit(1)
+    return set_death_signal
 
 
 def _pump_stderr(stream, seen_errors: set, lock: threading.Lock) -> None:

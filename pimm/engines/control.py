@@ -17,12 +17,16 @@ SIGTERM and SIGHUP always pre-empt (checkpoint, exit 75), as does every
 signal in ``preempt_signals``; SIGUSR1 asks for an evaluation, which the
 OnDemandValidation hook serves when configured; without it the signal is
 logged and ignored (its default action would kill the process without a
-checkpoint). SIGINT raises KeyboardInterrupt: exit 130, no new checkpoint.
+checkpoint). SIGINT (Ctrl-C) is a stop like a pre-emption, by the same flag
+and the same agreement, but ends with exit 130; a second SIGINT aborts at
+once (KeyboardInterrupt: the save in flight is abandoned uncommitted, the
+last committed checkpoint stays).
 
 When the trainer stops, it commits a final checkpoint, runs ``after_train``
 and then either returns (a requested stop: exit code 0) or raises
 :class:`~pimm.utils.errors.TrainingPreempted` (a signal: exit code 75, rerun
-with ``resume=True``).
+with ``resume=True``) or :class:`~pimm.utils.errors.TrainingInterrupted`
+(Ctrl-C: exit code 130).
 """
 
 from __future__ import annotations
@@ -30,21 +34,27 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 
-__all__ = ["StopControl", "resolve_signals", "STANDARD_PREEMPT", "ignore_unhandled_usr1"]
+__all__ = ["StopControl", "resolve_signals", "STANDARD_PREEMPT", "ignore_unhandled_usr1", "ABORT_NOW"]
 
 #: Signals that always mean "checkpoint and exit 75" (a batch system's
 #: pre-emption, a closed terminal), added to ``preempt_signals``.
 STANDARD_PREEMPT = ("SIGTERM", "SIGHUP")
 
-# Flags combined into one all-reduce (MAX): a pre-emption outranks a request.
-_NONE, _REQUESTED, _PREEMPTED = 0, 1, 2
+# Flags combined into one all-reduce (MAX): a pre-emption outranks a Ctrl-C,
+# which outranks a request (a job that is pre-empted must say 75 to be requeued).
+_NONE, _REQUESTED, _INTERRUPTED, _PREEMPTED = 0, 1, 2, 3
+
+#: Set (from any thread) before ``_thread.interrupt_main()`` when the process must
+#: stop at once rather than finish the step (the run lock was taken by another run):
+#: the SIGINT handler then raises KeyboardInterrupt even on a first interrupt.
+ABORT_NOW = threading.Event()
 
 
 def resolve_signals(names: Iterable[str], key: str = "preempt_signals") -> list[int]:
@@ -103,9 +113,12 @@ class StopControl:
         self.pending = False  # any local flag set: the only thing the loop reads per step
         self.reason: str | None = None
         self.preempted = False
+        self.interrupted = False  # a Ctrl-C (SIGINT) asked for the stop (here or, agreed, on another rank)
+        self._sigint_received = False  # this process got one: the next one aborts
         self._agreed = False
         self._signal_name: str | None = None
         self._previous: dict = {}
+        self._ballots: list[tuple[int, Callable[[], bool], Callable[[], None]]] = []
 
     # -- requests -------------------------------------------------------
     def request(self, reason: str, agreed: bool = False) -> None:
@@ -121,8 +134,23 @@ class StopControl:
         self.preempted = True
         self.pending = True
 
+    def _on_interrupt(self, signum, frame) -> None:
+        if self._sigint_received or ABORT_NOW.is_set():
+            raise KeyboardInterrupt  # the second Ctrl-C: abort now, whatever runs
+        self._sigint_received = True
+        self.interrupted = True
+        self.pending = True
+        message = ("Ctrl-C: finishing this step, then saving a checkpoint and exiting (press Ctrl-C again to abort "
+                   "at once, without a new checkpoint)")
+        threading.Thread(target=logging.getLogger("pimm").warning, args=(message,), daemon=True).start()
+
     def install(self) -> None:
-        """Listen for the pre-emption signals, and log-and-ignore an unserved SIGUSR1."""
+        """Listen for the pre-emption signals and Ctrl-C, and log-and-ignore an unserved SIGUSR1."""
+        if signal.SIGINT not in self.signals:
+            try:
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+            except ValueError:  # not the main thread
+                pass
         for signum in self.signals:
             try:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
@@ -139,21 +167,38 @@ class StopControl:
         self._previous.clear()
 
     # -- the step-boundary check ------------------------------------------
+    def add_ballot(self, every: int, vote: Callable[[], bool], on_agreed: Callable[[], None]) -> None:
+        """Agree on one more flag across ranks, in the stop check's all-reduce
+        (no collective of its own): every ``every`` steps each rank casts
+        ``vote()`` (e.g. True on rank 0 only, when its clock says a save is due),
+        and when any rank voted True, ``on_agreed()`` runs on every rank at that
+        step boundary. The check then also runs at those steps. Used only when
+        several processes run (a single process decides alone)."""
+        self._ballots.append((max(1, int(every)), vote, on_agreed))
+
     def should_stop(self, global_step: int) -> bool:
         """True on every rank at the same step boundary once a stop is due."""
         if not self.distributed:
             return self.pending
         if self._agreed:  # requested on every rank at this very step: no collective needed
             return True
-        if global_step % self.check_every:
+        ballots = [b for b in self._ballots if global_step % b[0] == 0]
+        if global_step % self.check_every and not ballots:
             return False
-        local = _PREEMPTED if self.preempted else _REQUESTED if self.pending else _NONE
-        flag = torch.tensor([float(local)])
-        agreed = int(comm.all_reduce(flag, op="max").item())
+        local = (_PREEMPTED if self.preempted else _INTERRUPTED if self.interrupted
+                 else _REQUESTED if self.pending else _NONE)
+        flags = torch.tensor([float(local), *(1.0 if vote() else 0.0 for _, vote, _ in ballots)])
+        agreed_flags = comm.all_reduce(flags, op="max").tolist()  # one transfer for all flags
+        agreed = int(agreed_flags[0])
         if agreed == _NONE:
+            for (_, _, on_agreed), flag in zip(ballots, agreed_flags[1:]):
+                if flag:
+                    on_agreed()
             return False
         if agreed == _PREEMPTED:
             self.preempted = True
+        elif agreed == _INTERRUPTED:
+            self.interrupted = True
         elif self.reason is None:
             self.reason = "a stop requested on another rank"
         self.pending = True
@@ -163,4 +208,6 @@ class StopControl:
         """Why the run stops, in words (for logs and the attempt record)."""
         if self.preempted:
             return f"pre-empted by {self._signal_name or 'a signal on another rank'}"
+        if self.interrupted:
+            return "interrupted by Ctrl-C (SIGINT)"
         return self.reason or "stop requested"

@@ -9,7 +9,9 @@ usage, config or input (one ``error:`` line, no traceback unless
 ``PIMM_DEBUG=1``); 75 pre-empted — after a committed checkpoint, or during
 start-up before training began (nothing is lost either way: rerun with
 ``resume=True``); 1 any other failure (traceback in ``train.log``); 130
-interrupted from the keyboard.
+interrupted from the keyboard: after the checkpoint of the step in progress
+(one Ctrl-C: the line says how to resume), or at once with nothing new
+committed (a second Ctrl-C, or Ctrl-C during start-up).
 """
 
 from __future__ import annotations
@@ -21,28 +23,29 @@ import os
 import random
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
-from pimm.engines.control import STANDARD_PREEMPT, ignore_unhandled_usr1
+from pimm.engines.control import ABORT_NOW, STANDARD_PREEMPT, ignore_unhandled_usr1
 from pimm.engines.default_hooks import hook_order_lines
 from pimm.engines.prepare import prepare_config  # noqa: F401  (also importable from here)
 from pimm.engines.registries import TRAINERS
 from pimm.engines.resume_config import differences, resume_config, run_dir_options
-from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, write_config
+from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, test_source, write_config
 from pimm.engines.run_records import apply_launch_command
+from pimm.engines.run_summary import log_summary, resume_command
 from pimm.engines.runtime import apply_runtime_defaults
 from pimm.engines.tracing import build_tracer
 from pimm.utils import comm
 from pimm.utils.config import Config
-from pimm.utils.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError, TrainingPreempted, UserError
+from pimm.utils.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError,
+                               TrainingInterrupted, TrainingPreempted, UserError)
 from pimm.utils.logger import FILE_ONLY, log_file, setup_logger
 from pimm.utils.run_lock import RunLock
 
 __all__ = ["main", "load_config", "prepare_config", "build_trainer", "build_tester"]
-
-EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,8 +56,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(mode: str) -> _Parser:
     parser = _Parser(prog=f"tools/{mode}.py", description=f"pimm {mode}")
-    parser.add_argument("--config-file", metavar="CFG", required=mode != "train",
-                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else ""))
+    parser.add_argument("--config-file", metavar="CFG",
+                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else
+                                                     " with --options weight=PATH (or give RUN_DIR instead)"))
+    if mode == "test":
+        parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                            help="a training run's save_path: test it from its own config.py on data.test")
+        parser.add_argument("--checkpoint", metavar="WHICH", default=None,
+                            help="with RUN_DIR: the weights to test: best (model/model_best.pth, the default), last "
+                                 "(model/model_last.pth), a weight file or a checkpoints/step... folder")
     if mode == "train":
         parser.add_argument("--resume", metavar="RUN_DIR",
                             help="continue the run in RUN_DIR from its own recorded config.py (no --config-file "
@@ -72,13 +82,23 @@ def _parser(mode: str) -> _Parser:
 def _config_source(args) -> tuple[str, list[str]]:
     """The config file and options a command line names (``--resume RUN_DIR``:
     the run's recorded config, placed where it was found)."""
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir:
+        if args.config_file:
+            raise UserError(f"give the run directory ({run_dir}) or --config-file, not both")
+        recorded, placed = test_source(run_dir, args.checkpoint or "best")
+        return recorded, [*placed, *args.options]
+    if getattr(args, "checkpoint", None):
+        raise UserError("--checkpoint chooses weights of a run: give the run directory too (pimm test RUN_DIR "
+                        "--checkpoint best|last|PATH)")
     resume_dir = getattr(args, "resume", None)
     if resume_dir:
         recorded, placed = run_dir_options(resume_dir)
         return args.config_file or recorded, [*args.options, *placed]
     if not args.config_file:
         raise UserError("give the config with --config-file CFG" +
-                        (", or continue a run with --resume RUN_DIR" if hasattr(args, "resume") else ""))
+                        (", or continue a run with --resume RUN_DIR" if hasattr(args, "resume") else
+                         ", or a training run's directory: pimm test RUN_DIR"))
     return args.config_file, args.options
 
 
@@ -188,13 +208,16 @@ def _run(args, mode: str, attempt_box: list) -> int:
 
 _PREEMPT_NAMES: list[str] = []
 _LOCKS: list = []  # the run locks this process took (for the reason when one was lost)
+_RUN: dict = {}  # save_path and world size once known, for the line an interruption prints
 
 
 def _stop_writing(reason: str) -> None:
     """The run lock was taken by another run (found by its heartbeat thread):
-    interrupt the main thread at once; :func:`main` reports ``reason``, exit 2."""
+    interrupt the main thread at once (not the graceful first Ctrl-C: nothing
+    more may be written); :func:`main` reports ``reason``, exit 2."""
     import _thread
 
+    ABORT_NOW.set()
     _thread.interrupt_main()
 
 
@@ -220,6 +243,7 @@ def _take_run_lock(cfg, lock: list) -> None:
 
 
 def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int:
+    started = time.monotonic()
     comm.init_distributed_from_env()
     _install_startup_signals(STANDARD_PREEMPT)
     ignore_unhandled_usr1()  # until a hook (OnDemandValidation) listens for it
@@ -231,6 +255,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
     if mode == "train":
         _resume_after_elastic_restart(cfg)
         _take_run_lock(cfg, lock)
+        _RUN.update(save_path=os.path.abspath(cfg.save_path), world_size=comm.get_world_size(), rank=comm.get_rank())
     _install_startup_signals(cfg.preempt_signals)
     _PREEMPT_NAMES[:] = cfg.preempt_signals
     _resolve_seed(cfg)
@@ -268,7 +293,7 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
             trainer.train()
         else:
             trainer.test()
-    except (UserError, TrainingPreempted):
+    except (UserError, TrainingPreempted, TrainingInterrupted, KeyboardInterrupt):
         raise
     except BaseException as err:
         if not getattr(err, "_pimm_logged", False):
@@ -277,6 +302,8 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
         raise
     if mode == "train" and trainer.outcome == "stopped":
         attempt_box.append(f"stopped: {trainer.control.describe()}")
+    if mode == "train" and rank == 0:
+        log_summary(trainer, time.monotonic() - started)
     return EXIT_OK
 
 
@@ -313,6 +340,8 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
     input: it prints one ``error:`` line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
+    _RUN.clear()
+    ABORT_NOW.clear()
     attempt_box: list = []
     code, reason = EXIT_FAILURE, "failed"
     try:
@@ -333,7 +362,8 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
                 _LOCKS[:] = [parent_lock]
                 guard_fresh_run(cfg)
                 return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus,
-                                   env={"PIMM_RUN_LOCK_HELD": "1"}, log_path=str(Path(cfg.save_path) / "train.log"))
+                                   env={"PIMM_RUN_LOCK_HELD": "1"}, log_path=str(Path(cfg.save_path) / "train.log"),
+                                   abort=ABORT_NOW)
         code = _run(args, mode, attempt_box)
         reason = next((r for r in attempt_box if isinstance(r, str)), "completed")
         return code
@@ -351,6 +381,12 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
             _report_error(f"error: pre-empted by {err}; nothing was lost: rerun with resume=True (exit code "
                           f"{EXIT_PREEMPTED})")
         return code
+    except TrainingInterrupted as err:
+        code, reason = EXIT_INTERRUPTED, f"interrupted: {err}"
+        if _RUN.get("rank", 0) == 0:
+            _report_error(f"interrupted (Ctrl-C): checkpoint committed; continue with: "
+                          f"{resume_command(_RUN['save_path'], _RUN['world_size'])}")
+        return code
     except KeyboardInterrupt:
         lost = _lost_lock()
         if lost is not None:  # the heartbeat interrupted us: another run took save_path
@@ -358,7 +394,12 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
             _report_error(f"error: {lost}")
             return code
         code, reason = EXIT_INTERRUPTED, "interrupted"
-        _report_error("error: interrupted")
+        if "save_path" in _RUN:
+            if _RUN.get("rank", 0) == 0:
+                _report_error("error: aborted (Ctrl-C): no new checkpoint; the last committed one (if any) is "
+                              f"resumed by: {resume_command(_RUN['save_path'], _RUN['world_size'])}")
+        else:
+            _report_error("error: interrupted")
         return code
     except Exception as err:
         code, reason = EXIT_FAILURE, f"failed: {type(err).__name__}: {err}"

@@ -26,7 +26,7 @@ from pathlib import Path
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import append_jsonl, read_jsonl, set_aside
 
-__all__ = ["guard_fresh_run", "write_config", "AttemptRecord", "ATTEMPTS_FILE"]
+__all__ = ["guard_fresh_run", "write_config", "AttemptRecord", "ATTEMPTS_FILE", "test_source", "CHECKPOINT_CHOICES"]
 
 ATTEMPTS_FILE = "attempts.jsonl"
 
@@ -150,6 +150,47 @@ def _devices() -> list[str]:
     if torch.cuda.is_available():
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return [f"cpu ({os.cpu_count()} cores)"]
+
+
+#: ``pimm test RUN_DIR --checkpoint``: the named model files of a run.
+CHECKPOINT_CHOICES = {"best": "model_best.pth", "last": "model_last.pth"}
+
+
+def _weights_of(run: Path, checkpoint: str) -> Path:
+    """The weight file ``--checkpoint`` names in ``run``: best, last, a model file,
+    or a committed checkpoint folder (its ``common.pth`` holds the model)."""
+    if checkpoint in CHECKPOINT_CHOICES:
+        path = run / "model" / CHECKPOINT_CHOICES[checkpoint]
+        if not path.is_file():
+            hint = ("the run had no evaluator ranking its checkpoints, or never evaluated: use --checkpoint last"
+                    if checkpoint == "best" else "the run committed no checkpoint yet")
+            raise ConfigError(f"--checkpoint {checkpoint}: {run} has no model/{path.name} ({hint})")
+        return path
+    path = Path(checkpoint)
+    if path.is_dir():
+        if not (path / "COMMITTED").is_file() or not (path / "common.pth").is_file():
+            raise ConfigError(f"--checkpoint {checkpoint}: not a committed checkpoint folder (no COMMITTED manifest "
+                              "or no common.pth); give best, last, a model/*.pth file or a checkpoints/step... folder")
+        return path / "common.pth"
+    if not path.is_file():
+        raise ConfigError(f"--checkpoint {checkpoint}: no such file or folder (give best, last, a weight file or a "
+                          "checkpoint folder)")
+    return path
+
+
+def test_source(run_dir: str, checkpoint: str = "best") -> tuple[str, list[str]]:
+    """``pimm test RUN_DIR [--checkpoint best|last|PATH]``: the run's recorded
+    config file and the options that score the chosen weights on its test
+    split, writing ``test.log`` and ``test_metrics.json`` (an earlier one kept
+    aside) into the run directory."""
+    run = Path(run_dir).resolve()
+    record = run / "config.py"
+    if not record.is_file():
+        what = "does not exist" if not run.exists() else "holds no config.py: it is not a pimm run directory"
+        raise ConfigError(f"pimm test {run_dir}: the directory {what}; give the save_path of a run started by "
+                          "pimm train")
+    weight = _weights_of(run, checkpoint)
+    return str(record), [f"save_path={run}", f"weight={weight.resolve()}", "resume=False"]
 
 
 class AttemptRecord:

@@ -21,6 +21,11 @@
     finally:
         after_train                            # always; trainer.outcome says how it ended
     pre-empted: raise TrainingPreempted        # the CLI exits 75; a requested stop returns (exit 0)
+    Ctrl-C: raise TrainingInterrupted          # the CLI prints the resume command, exits 130
+
+A second Ctrl-C raises KeyboardInterrupt wherever the main thread is: the
+run is ``aborted``, :meth:`abort_saves` abandons the checkpoint in flight
+(never committed), and the CLI exits 130.
 
 Subclasses build the components and implement :meth:`run_step`,
 :meth:`restore`, :meth:`save_checkpoint` and :meth:`finish`. Hook dispatch
@@ -39,12 +44,12 @@ from pimm.engines.hooks.base import PHASES, HookBase, get_priority
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
 from pimm.engines.tracing import NULL_TRACER
-from pimm.utils.errors import TrainingPreempted, UserError
+from pimm.utils.errors import TrainingInterrupted, TrainingPreempted, UserError
 from pimm.utils.logger import FILE_ONLY
 
 __all__ = ["TrainerBase"]
 
-OUTCOMES = ("running", "completed", "stopped", "preempted", "failed")
+OUTCOMES = ("running", "completed", "stopped", "preempted", "interrupted", "failed", "aborted")
 
 
 class TrainerBase(UpstreamTrainerView):
@@ -57,6 +62,10 @@ class TrainerBase(UpstreamTrainerView):
     ``step_result`` (the last update's grad norm, whether it stepped, its lr),
     ``logger``, ``outcome``; and upstream's ``storage``, ``best_metric_value``,
     ``start_epoch``, ``comm_info["iter_info"]`` (:mod:`pimm.engines.hook_contract`)."""
+
+    #: The metric a user watches to judge this kind of training, with the
+    #: direction that is better: on the console line and in the end-of-run summary.
+    headline_metric: tuple[str, str] = ("train/loss", "min")
 
     def __init__(self):
         self.hooks: list[HookBase] = []
@@ -147,9 +156,16 @@ class TrainerBase(UpstreamTrainerView):
             looping = True
             stopped = self._run_epochs()
             if stopped:
-                tracer.instant("preempted" if self.control.preempted else "stop", reason=self.control.describe())
+                tracer.instant(self._stop_kind(), reason=self.control.describe())
             self.finish(stopped)
-            self.outcome = ("preempted" if self.control.preempted else "stopped") if stopped else "completed"
+            self.outcome = self._stop_kind() if stopped else "completed"
+        except KeyboardInterrupt as exc:  # a second Ctrl-C (or a lost run lock): stop now, commit nothing new
+            self.outcome = "aborted"
+            self.logger.warning(f"Aborted at epoch {self.epoch + 1}, step {self.global_step}: no new checkpoint "
+                                "(the last committed one stays)")
+            self.abort_saves()
+            self.call_hooks("on_exception", exc)
+            raise
         except BaseException as exc:
             self.outcome = "failed"
             if not isinstance(exc, UserError):
@@ -171,13 +187,20 @@ class TrainerBase(UpstreamTrainerView):
                 try:
                     self.close()
                 except Exception:
-                    if self.outcome != "failed":
+                    if self.outcome not in ("failed", "aborted"):
                         raise
                     # A full disk fails the writers' flush too: keep the first error, not this one.
                     self.logger.error("Closing after the failure failed as well", exc_info=True, extra=FILE_ONLY)
                 tracer.close()
         if self.outcome == "preempted":
             raise TrainingPreempted(self.control.describe())
+        if self.outcome == "interrupted":
+            raise TrainingInterrupted(self.control.describe())
+
+    def _stop_kind(self) -> str:
+        """The outcome of a stop: "preempted", "interrupted" (Ctrl-C) or "stopped" (a request)."""
+        control = self.control
+        return "preempted" if control.preempted else "interrupted" if control.interrupted else "stopped"
 
     def _run_epochs(self) -> bool:
         """The epoch loop; True when it was left by a stop."""
@@ -193,7 +216,11 @@ class TrainerBase(UpstreamTrainerView):
             state.iter_in_epoch = 0
             self.call_hooks("after_epoch")
             self.reset_epoch_histories()  # upstream's trainer.storage holds one epoch
-            if state.epoch < self.max_epoch and self.control.pending and self.control.should_stop(state.global_step):
+            # Every rank or none enters the check (it may be a collective): a signal that reached one rank
+            # during after_epoch must not send that rank alone into the all-reduce.
+            control = self.control
+            if state.epoch < self.max_epoch and (control.pending or control.distributed) and \
+                    control.should_stop(state.global_step):
                 return True
         return False
 
@@ -259,6 +286,9 @@ class TrainerBase(UpstreamTrainerView):
 
     def report_failure(self, exc: BaseException) -> None:
         """Record a failure where the user looks (the dashboards); must not raise."""
+
+    def abort_saves(self) -> None:
+        """A second Ctrl-C: abandon any checkpoint being written, uncommitted; must not raise."""
 
 
 def _traced_hook(tracer, hook, phase: str):

@@ -44,8 +44,15 @@ class TrainingPreempted(BaseException):
     wrapping constructor errors, say) turns it into a failure."""
 
 
+class TrainingInterrupted(BaseException):
+    """Raised once the checkpoint of a Ctrl-C (the first SIGINT) is committed;
+    the CLI prints the resume command and exits with :data:`EXIT_INTERRUPTED`.
+    A second Ctrl-C raises KeyboardInterrupt instead (an abort, no new checkpoint)."""
+
+
 # The command line's exit codes (the public contract, docs/contract.md).
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a runtime failure or bug: traceback in train.log
 EXIT_USAGE = 2  # bad config, option, checkpoint or data: one ``error:`` line
 EXIT_PREEMPTED = 75  # pre-empted after a committed checkpoint: rerun with resume=True
+EXIT_INTERRUPTED = 130  # Ctrl-C: after a committed checkpoint (one press) or at once (a second press)

@@ -137,8 +137,9 @@ class HookBase:
         """An epoch finished (``trainer.train_state.epoch`` counts it)."""
 
     def after_train(self) -> None:
-        """Training ended: completed, stopped, pre-empted, or failed
-        (``trainer.outcome`` says which; after a failure avoid collectives)."""
+        """Training ended: completed, stopped, pre-empted, interrupted (Ctrl-C), failed
+        or aborted (a second Ctrl-C) (``trainer.outcome`` says which; after a
+        failure or an abort avoid collectives)."""
 
     def on_exception(self, exc: BaseException) -> None:
         """Training failed with ``exc`` (called before ``after_train``)."""

@@ -37,8 +37,15 @@ _NAMED_POLICIES = {"best": (1, True, False), "last": (1, False, False), "all": (
 @HOOKS.register_module()
 class CheckpointSaver(HookBase):
     """Resumable checkpoints (each with ``model/model_last.pth``) at every epoch
-    end, every ``save_freq`` steps and every ``save_every_seconds`` of wall time
-    (rank 0's clock, agreed across ranks every ``time_check_every`` steps).
+    end, every ``save_freq`` steps and every ``save_every_minutes`` (or
+    ``save_every_seconds``) of wall time since the last save.
+
+    The wall-clock cadence is read every ``time_check_every`` steps and only
+    rank 0's clock decides: with several processes its vote travels in the
+    stop control's all-reduce of that step (:meth:`StopControl.add_ballot`),
+    so every rank saves at the same step and no collective or host sync is
+    added to the other steps. ``clock`` (default ``time.monotonic``) is the
+    time source, replaceable for tests.
 
     Which committed checkpoints are kept (deletions happen only after the new
     one is committed; on resume, leftovers follow the same rule):
@@ -66,12 +73,13 @@ class CheckpointSaver(HookBase):
     priority = "LOW"
 
     domains = dict(save_freq=Steps, save_every_seconds=Positive | None, keep_last=PosInt, keep_every=Steps,
-                   time_check_every=PosInt, keep=Choice("best", "last", "all") | None, evaluator_every_n_steps=Steps)
+                   time_check_every=PosInt, keep=Choice("best", "last", "all") | None, evaluator_every_n_steps=Steps,
+                   save_every_minutes=Positive | None)
 
     def __init__(self, save_freq: int | None = None, save_every_seconds: float | None = None, keep_last: int = 2,
                  keep_best: bool = True, keep_every: int | None = None, keep_all: bool = False,
                  time_check_every: int = 10, async_write: bool = True, keep: str | None = None,
-                 evaluator_every_n_steps: int | None = None):
+                 evaluator_every_n_steps: int | None = None, save_every_minutes: float | None = None):
         if keep is not None:
             if keep not in _NAMED_POLICIES:
                 raise ValueError(f"keep must be one of {', '.join(map(repr, _NAMED_POLICIES))} or None, got {keep!r}")
@@ -82,6 +90,13 @@ class CheckpointSaver(HookBase):
         self.save_freq = _positive("save_freq", save_freq, integer=True)
         self.save_every_seconds = _positive("save_every_seconds", save_every_seconds)
         self.evaluator_every_n_steps = _positive("evaluator_every_n_steps", evaluator_every_n_steps, integer=True)
+        self.save_every_minutes = _positive("save_every_minutes", save_every_minutes)
+        if self.save_every_minutes is not None and self.save_every_seconds is not None:
+            raise ValueError(f"give one wall-clock cadence: save_every_minutes={save_every_minutes!r} or "
+                             f"save_every_seconds={save_every_seconds!r}, not both")
+        #: Seconds between wall-clock saves (None: no wall-clock cadence).
+        self.interval_s = (self.save_every_minutes * 60.0 if self.save_every_minutes is not None
+                           else self.save_every_seconds)
         for name, flag in (("keep_best", keep_best), ("keep_all", keep_all), ("async_write", async_write)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
@@ -93,7 +108,8 @@ class CheckpointSaver(HookBase):
                                    keep_all=keep_all)
         self.time_check_every = _positive("time_check_every", time_check_every, allow_none=False, integer=True)
         self.async_write = async_write
-        self._last_save = time.monotonic()
+        self.clock = time.monotonic
+        self._last_save = 0.0
 
     def before_train(self):
         """Hand the retention policy and write mode to the checkpoint manager, align
@@ -107,27 +123,37 @@ class CheckpointSaver(HookBase):
         trainer.align_data_snapshots(self.evaluator_every_n_steps)  # several calls: the shortest interval wins
         if trainer.global_step > 0 and comm.is_main_process():  # resumed: leftovers follow this policy
             checkpointer.apply_retention()
-        self._last_save = time.monotonic()
+        self._last_save = self.clock()
+        if self.interval_s and trainer.control.distributed:
+            trainer.control.add_ballot(self.time_check_every, self._rank0_time_due, self._save_mid_epoch)
         if self.keep == "best" and self.trainer.metrics.best.name is None:
             self.trainer.logger.warning("CheckpointSaver(keep='best'): no evaluator declares a metric to rank "
                                         "checkpoints by, so only the newest checkpoint is kept")
 
-    def _time_due(self) -> bool:
-        if not self.save_every_seconds or self.trainer.global_step % self.time_check_every:
-            return False
-        return comm.any_rank(time.monotonic() - self._last_save >= self.save_every_seconds)
+    def _rank0_time_due(self) -> bool:
+        """Rank 0's vote: its clock says a wall-clock save is due (other ranks never vote)."""
+        return comm.is_main_process() and self.clock() - self._last_save >= self.interval_s
+
+    def _save_mid_epoch(self) -> None:
+        # At the last step of an epoch the epoch-end save follows immediately.
+        if self.trainer.iter < self.trainer.iters_per_epoch:
+            self.save()
 
     def after_step(self):
-        """Save every ``save_freq`` steps, ``save_every_seconds`` or ``evaluator_every_n_steps``."""
+        """Save every ``save_freq`` steps, ``evaluator_every_n_steps`` (with ``evaluate=True``), and
+        (one process) when the wall-clock cadence is due; with several processes the stop
+        control's check saves on rank 0's word."""
         trainer = self.trainer
         if "current_metric_value" in trainer.comm_info and comm.get_world_size() == 1:
             take_published_metric(trainer)  # model_best holds this step's weights (distributed: at the next save)
-        due = (self.save_freq and trainer.global_step % self.save_freq == 0) or self._time_due()
+        step = trainer.global_step
+        due = self.save_freq and step % self.save_freq == 0
         if self.evaluator_every_n_steps and trainer.cfg.evaluate:
-            due = due or trainer.global_step % self.evaluator_every_n_steps == 0
-        # At the last step of an epoch the epoch-end save follows immediately.
-        if due and trainer.iter < trainer.iters_per_epoch:
-            self.save()
+            due = due or step % self.evaluator_every_n_steps == 0
+        if not due and self.interval_s and not trainer.control.distributed and step % self.time_check_every == 0:
+            due = self.clock() - self._last_save >= self.interval_s
+        if due:
+            self._save_mid_epoch()
 
     def after_epoch(self):
         """Save at every epoch end."""
@@ -139,7 +165,7 @@ class CheckpointSaver(HookBase):
         ``current_metric_value``) first decides the best model."""
         take_published_metric(self.trainer)
         self.trainer.save_checkpoint()
-        self._last_save = time.monotonic()
+        self._last_save = self.clock()
 
 
 @HOOKS.register_module()

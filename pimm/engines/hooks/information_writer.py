@@ -72,10 +72,16 @@ class InformationWriter(HookBase):
         eta_text = str(datetime.timedelta(seconds=int(eta))) if not math.isnan(eta) else "-"
         head = (f"Train: [{trainer.epoch + 1}/{trainer.max_epoch}][{trainer.iter}/{trainer.iters_per_epoch}] "
                 f"step {trainer.global_step} loss {window['train/loss']:.4f}")
+        headline = getattr(trainer, "headline_metric", ("train/loss", "min"))[0]
+        if headline != "train/loss":  # the trainer's headline metric: never cut from the line
+            value = window.get(headline, metrics.latest(headline))  # a val/ metric: its latest evaluation
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                head += f" {headline.removeprefix('train/')} {value:.4g}"
         if "train/lr" in window:
             head += f" lr {window['train/lr']:.3e}"
         tail = f"data {metrics.mean('time/data'):.3f}s step {metrics.mean('time/step'):.3f}s eta {eta_text}"
-        extras = [f"{tag[6:]} {value:.4g}" for tag, value in window.items() if tag not in ("train/loss", "train/lr")]
+        extras = [f"{tag[6:]} {value:.4g}" for tag, value in window.items()
+                  if tag not in ("train/loss", "train/lr", headline)]
         iter_info = str(trainer.comm_info.get("iter_info") or "").strip()  # upstream hooks' text for this line
         if iter_info:
             extras.insert(0, iter_info)

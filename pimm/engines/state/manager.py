@@ -91,15 +91,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _Aborted(Exception):
+    """The save was abandoned (:meth:`CheckpointManager.abort`): nothing is committed."""
+
+
 class _ChecksummingFile:
     """Write-only file wrapper that keeps a CRC-32 of everything written, so a
-    checkpoint's checksum costs no second read."""
+    checkpoint's checksum costs no second read; a set ``abort`` event stops the
+    write at its next chunk."""
 
-    def __init__(self, fh):
-        self.fh, self.crc, self.size = fh, 0, 0
+    def __init__(self, fh, abort: threading.Event | None = None):
+        self.fh, self.crc, self.size, self.abort = fh, 0, 0, abort
         self.error: OSError | None = None  # the OS error of a failed write (torch.save may hide it)
 
     def write(self, data) -> int:
+        if self.abort is not None and self.abort.is_set():
+            raise _Aborted("checkpoint save abandoned")
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
         try:
@@ -116,11 +123,16 @@ class _ChecksummingFile:
             raise
 
 
+# The abort event of the save this thread is writing (set by CheckpointManager._write), read by
+# _save_synced: the file writer stops at its next chunk once the save is abandoned.
+_WRITING = threading.local()
+
+
 def _save_synced(obj: Any, path: Path) -> dict:
     out = None
     try:
         with open(path, "wb") as fh:
-            out = _ChecksummingFile(fh)
+            out = _ChecksummingFile(fh, getattr(_WRITING, "abort", None))
             torch.save(obj, out)
             fh.flush()
             os.fsync(fh.fileno())
@@ -253,6 +265,7 @@ class CheckpointManager:
         # a file refused as data is then loaded in full, with a warning (pimm.engines.state.safe_load).
         self.trust_code = False
         self._warned: set[tuple[str, tuple]] = set()  # (participant, types) already warned about at a save
+        self._abort = threading.Event()  # set by abort(): no save commits any more
 
     # -- participants ---------------------------------------------------
     def register(self, name: str, participant: Any, scope: str = "shared") -> None:
@@ -360,6 +373,24 @@ class CheckpointManager:
         if error is not None:
             raise error
 
+    def abort(self, join_timeout_s: float = 30.0) -> None:
+        """Abandon the save in flight (a second Ctrl-C): the background writer stops
+        at its next chunk or check and commits nothing, and rank 0 removes the
+        temporary folders, so no partial checkpoint is left (committed ones are
+        untouched). No later save of this manager commits either."""
+        self._abort.set()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join(join_timeout_s)
+        self._write_error = None
+        if comm.get_rank() == 0 and self.directory.is_dir():
+            for stale in self.directory.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _check_not_aborted(self, final: Path) -> None:
+        if self._abort.is_set():
+            raise _Aborted(f"checkpoint {final.name} abandoned before its commit")
+
     def _write_guarded(self, *job) -> None:
         try:
             self._write(*job)
@@ -372,6 +403,8 @@ class CheckpointManager:
         shared state, waits for every rank's marker and commits. No collective
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
+        self._check_not_aborted(final)
+        _WRITING.abort = self._abort
         entries = {rank_file: _save_synced(per_rank, tmp / rank_file)}
         self._warn_unless_data(per_rank, tmp / rank_file)
         if "sharded" in manifest:
@@ -386,6 +419,7 @@ class CheckpointManager:
         for other in range(world):
             marker = tmp / f"rank{other:05d}.pth.done"
             while not marker.exists():
+                self._check_not_aborted(final)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"checkpoint {final.name}: rank {other} did not finish writing its file "
                                        f"within {self.commit_timeout_s:g}s")
@@ -398,6 +432,7 @@ class CheckpointManager:
         _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
         _fsync_dir(tmp)
         check_held(self.directory)  # never commit into a directory another run took over (exit 2)
+        self._check_not_aborted(final)
         os.replace(tmp, final)
         _fsync_dir(self.directory)
         self.apply_retention()

@@ -351,23 +351,27 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             atomic_torch_save(payload, self.save_path / "model" / name)
 
     def finish(self, stopped: bool) -> None:
-        if self.cfg.evaluate and not self.control.preempted:  # a pre-empted job has no time to spare
+        control = self.control
+        # A pre-empted job has no time to spare, and Ctrl-C asks to end now.
+        if self.cfg.evaluate and not control.preempted and not control.interrupted:
             due = [e for e in self.evaluators if getattr(e, "last_step", None) != self.global_step]
             if due and self.global_step > 0:
                 self.validate(due, kind="final")
         if stopped:
             start = time.perf_counter()
-            if self.control.preempted:
-                self.logger.warning(f"Pre-empted by {self.control.describe().removeprefix('pre-empted by ')} at step "
+            if control.preempted:
+                self.logger.warning(f"Pre-empted by {control.describe().removeprefix('pre-empted by ')} at step "
                                     f"{self.global_step}: saving a checkpoint")
+            elif control.interrupted:
+                self.logger.warning(f"Interrupted by Ctrl-C at step {self.global_step}: saving a checkpoint")
             else:
                 self.logger.warning(f"Stopping at step {self.global_step} ({self.control.describe()}): saving a "
                                     "checkpoint")
                 self.train_state.stop_reason = self.control.describe()
             self.save_checkpoint()
             self.checkpointer.wait()  # committed before the process exits
-            then = ("exiting with code 75 (rerun with resume=True to continue)" if self.control.preempted
-                    else "training stopped")
+            then = ("exiting with code 75 (rerun with resume=True to continue)" if control.preempted
+                    else "exiting with code 130" if control.interrupted else "training stopped")
             self.logger.warning(f"Checkpoint committed in {time.perf_counter() - start:.1f}s; {then}")
         self.metrics.flush()
         self.checkpointer.wait()
@@ -541,6 +545,16 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         except Exception as err:  # noqa: BLE001
             self.logger.error(f"The failure could not be written to the dashboards: {err}")
 
+    def abort_saves(self) -> None:
+        """A second Ctrl-C: the checkpoint being written is abandoned and its
+        temporary folder removed; nothing new is committed."""
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is not None:
+            try:
+                checkpointer.abort()
+            except Exception as err:  # noqa: BLE001  (the abort is what gets reported)
+                self.logger.error(f"Abandoning the checkpoint in flight failed: {err}")
+
     def close(self) -> None:
         checkpointer = getattr(self, "checkpointer", None)
         if checkpointer is not None and self.outcome == "failed":
@@ -550,7 +564,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 self.logger.error(f"The checkpoint being written when training failed was not committed: {err}")
         try:
             if getattr(self, "writer", None) is not None:
-                if self.outcome == "failed" and comm.get_world_size() > 1:
+                if self.outcome in ("failed", "aborted") and comm.get_world_size() > 1:
                     self.metrics.discard()  # flushing is a collective other ranks may never join
                 else:
                     try:

@@ -200,6 +200,7 @@ class GRPOTrainer(DefaultTrainer):
         return model
 
     loader_participant = RolloutLoaderParticipant
+    headline_metric = ("train/reward_mean", "max")  # the rollouts' mean reward: what the policy optimises
     supports_compile = False  # rollouts call the policy's methods, which torch.compile does not wrap
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
