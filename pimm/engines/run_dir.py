@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from pimm.engines.run_records import write_run_records
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import append_jsonl, read_jsonl, set_aside
 
@@ -64,7 +65,6 @@ def write_config(cfg) -> Path:
     upstream's ``resolved_config.json`` / ``run_metadata.json``
     (:mod:`pimm.engines.run_records`). A resume of the same run rewrites it in
     place; any other difference keeps the earlier file beside it."""
-    from pimm.engines.run_records import write_run_records
     from pimm.utils.config import Config
 
     path = Path(cfg.save_path) / "config.py"

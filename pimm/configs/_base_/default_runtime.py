@@ -10,6 +10,7 @@ batch_size = 16  # global, split evenly across processes
 batch_size_val = None  # global; None = batch_size
 num_worker = 0  # global data-loading workers, split across processes
 resume = False  # continue from the newest complete checkpoint; 'allow_fresh' also starts fresh when none is usable; a checkpoint folder's path: continue from that one
+trust_checkpoint_code = False  # resume/fork: also load a checkpoint that holds more than data (one written before pimm saved plain states); unpickling it runs whatever code it names: only for checkpoints you trust
 validate_on_resume = False  # a resumed run evaluates its weights (val/* at the resumed step) before training continues
 scheduler_interval = 1  # optimizer updates per scheduler step (the schedule's length is counted in scheduler steps)
 weight = None  # warm-start weights: a .pth/.safetensors file, a run, checkpoint or export folder, or hf://org/name
