@@ -24,7 +24,7 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
-from pimm.utils.domains import MAX_COUNT, Choice, Int, Keys, Positive, Real, Seq, Size, same_length
+from pimm.utils.domains import MAX_COUNT, Choice, Int, Keys, NonNeg, Positive, Real, Seq, Size, same_length
 
 from .blocks import Block, PointModule, PointSequential, SubMConv3d
 from .pooling import GridPooling, GridUnpooling, SerializedPooling, SerializedUnpooling
@@ -215,7 +215,7 @@ class PointTransformerV3m2(_PTv3Base):
     layer scale, mask token, shared or first-layer-only CPE, encoder-only
     mode (see the module doc)."""
 
-    domains = dict(layer_scale=Positive | None, iso_k=Int(1, 1024), iso_r=Positive | None)
+    domains = dict(layer_scale=NonNeg | None, iso_k=Int(1, 1024), iso_r=Positive | None)
 
     def __init__(self, in_channels=6, order=("z", "z-trans"), stride=(2, 2, 2, 2), enc_depths=(2, 2, 2, 6, 2),
                  enc_channels=(32, 64, 128, 256, 512), enc_num_head=(2, 4, 8, 16, 32),
