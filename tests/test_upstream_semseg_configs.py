@@ -40,15 +40,11 @@ TINY, TINY_CRASH = CONFIGS / "tests" / "tiny_semseg.py", CONFIGS / "tests" / "ti
 
 # Upstream hooks and transforms these configs name that pimm does not have
 # yet, and the issue bringing each.
-PENDING_HOOKS = {"WandbNamer": "#33", "WeightDecayExclusion": "#33", "GradientNormLogger": "#33",
-                 "DtypeOverrider": "#33", "SimulateCrash": "#34"}
-PENDING_TRANSFORMS = {"CenterShift": "#34"}
+# Issue 33 brought WandbNamer, WeightDecayExclusion, GradientNormLogger, DtypeOverrider and CenterShift.
+PENDING_HOOKS = {"SimulateCrash": "#34"}
+PENDING_TRANSFORMS: dict[str, str] = {}
 PENDING = PENDING_HOOKS | PENDING_TRANSFORMS
-NEEDS = {FFT: ("WandbNamer", "WeightDecayExclusion", "GradientNormLogger"),
-         DEC: ("WandbNamer", "WeightDecayExclusion", "GradientNormLogger"),
-         SCRATCH: ("WandbNamer", "WeightDecayExclusion", "GradientNormLogger"),
-         LIN: ("WandbNamer", "DtypeOverrider", "GradientNormLogger", "CenterShift"),
-         TINY_CRASH: ("SimulateCrash",), TINY: ()}
+NEEDS = {FFT: (), DEC: (), SCRATCH: (), LIN: (), TINY_CRASH: ("SimulateCrash",), TINY: ()}
 EVENTS = {"train": 4, "val": 2, "test": 2}
 WIDTH = 8  # every stage's width after shrinking (upstream: 48..512)
 
