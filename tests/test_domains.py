@@ -259,6 +259,8 @@ _VIEWS = "data.train.transform.MultiViewGenerator"
     ("model.mask_ratio_warmup_ratio=2", "model.mask_ratio_warmup_ratio=2 is invalid: it takes a finite number in"),
     ("model.num_global_view=1", "model.roll_mask_loss_weight=0.25 is invalid: it takes 0 with num_global_view=1"),
     ("model.mask_jitter=nan", "model.mask_jitter=nan is invalid"),
+    ("model.teacher_custom.drop_path=2.0", "model.teacher_custom.drop_path=2.0 is invalid: it takes a finite number"),
+    ("data.train.transform.7.keys_dict.grid_size=nan", "data.train.transform.Update.keys_dict={'grid_size': nan} is"),
     ("+model.representation_fusion_channels=64", "it takes None (upstream's representation fusion is not supported"),
     ("hooks.WeightDecayScheduler.warmup_ratio=0", "hooks.WeightDecayScheduler.warmup_ratio=0 is invalid"),
     ("hooks.PretrainEvaluator.every_n_steps=-1", "hooks.PretrainEvaluator.every_n_steps=-1 is invalid"),

@@ -41,6 +41,7 @@ from torch import nn
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import MODELS
+from pimm.utils.config_domains import domains_of
 from pimm.utils.domains import (Choice, DictOf, Instance, Int, Key, Length, NonNeg, Prob, Real, Registered, Rule, Size,
                                 Weight)
 from pimm.utils.errors import ConfigError
@@ -58,6 +59,23 @@ __all__ = ["Sonata"]
 _MAX_FORWARDS_WITHOUT_UPDATE = 64
 
 _TEMPERATURE = Real(0, 100, lo_open=True)
+
+
+class _TeacherOptionsTakeTheBackbones(Rule):
+    """Each ``teacher_custom`` entry is a backbone option: it takes the backbone type's own domain."""
+
+    def __init__(self):
+        super().__init__(lambda a: True, "teacher_custom", "")
+
+    def check(self, args: dict, where: str) -> None:
+        custom, backbone = args.get("teacher_custom"), args.get("backbone")
+        kind = backbone.get("type") if isinstance(backbone, dict) else None
+        if not isinstance(custom, dict) or not isinstance(kind, str) or kind not in MODELS:
+            return
+        domains, _ = domains_of(MODELS.get(kind))
+        for key, value in custom.items():
+            if key in domains:
+                domains[key](f"{where}teacher_custom.{key}", value)
 
 
 def _ramps_up(name: str) -> Rule:
@@ -90,6 +108,7 @@ class Sonata(nn.Module, HookBase):
         representation_fusion_channels=Instance(type(None), "None (upstream's representation fusion is not "
                                                             "supported: remove the key)"))
     domain_rules = (
+        _TeacherOptionsTakeTheBackbones(),
         Rule(lambda a: a.momentum_base <= a.momentum_final, "momentum_base", "a value <= momentum_final"),
         *(_ramps_up(name) for name in ("mask_size", "mask_ratio", "teacher_temp", "mask_jitter")),
         Rule(lambda a: a.mask_loss_weight + a.roll_mask_loss_weight + a.unmask_loss_weight > 0, "mask_loss_weight",
