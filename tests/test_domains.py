@@ -249,6 +249,31 @@ def test_ptv3_messages(option, expected):
     assert expected in _error("lartpc/semseg-ptv3.py", option)
 
 
+_VIEWS = "data.train.transform.MultiViewGenerator"
+
+
+@pytest.mark.parametrize("option, expected", [
+    ("model.momentum_base=1.5", "model.momentum_base=1.5 is invalid: it takes a finite number in [0, 1]"),
+    ("model.momentum_final=0.99", "model.momentum_base=0.994 is invalid: it takes a value <= momentum_final"),
+    ("model.teacher_temp_start=0.1", "model.teacher_temp_start=0.1 is invalid: it takes a value <= teacher_temp_base"),
+    ("model.mask_ratio_warmup_ratio=2", "model.mask_ratio_warmup_ratio=2 is invalid: it takes a finite number in"),
+    ("model.num_global_view=1", "model.roll_mask_loss_weight=0.25 is invalid: it takes 0 with num_global_view=1"),
+    ("model.mask_jitter=nan", "model.mask_jitter=nan is invalid"),
+    ("model.teacher_custom.drop_path=2.0", "model.teacher_custom.drop_path=2.0 is invalid: it takes a finite number"),
+    ("data.train.transform.7.keys_dict.grid_size=nan", "data.train.transform.Update.keys_dict={'grid_size': nan} is"),
+    ("+model.representation_fusion_channels=64", "it takes None (upstream's representation fusion is not supported"),
+    ("hooks.WeightDecayScheduler.warmup_ratio=0", "hooks.WeightDecayScheduler.warmup_ratio=0 is invalid"),
+    ("hooks.PretrainEvaluator.every_n_steps=-1", "hooks.PretrainEvaluator.every_n_steps=-1 is invalid"),
+    ("+hooks.PretrainEvaluator.train_config=dict(lr=nan)", "hooks.PretrainEvaluator.train_config={'lr': nan} is"),
+    ("+hooks=[dict(type='DtypeOverrider', class_patterns=['('])]", "hooks.DtypeOverrider.class_patterns=['('] is"),
+    (f"{_VIEWS}.view_keys=['energy']", f"{_VIEWS}.view_keys=['energy'] is invalid: it takes a list of keys including"),
+    (f"{_VIEWS}.local_view_scale=[0.4, 0.1]", f"{_VIEWS}.local_view_scale=[0.4, 0.1] is invalid: it takes a pair"),
+])
+def test_sonata_pretraining_messages(option, expected):
+    option = option.replace(_VIEWS, "data.train.transform.5")
+    assert expected in _error("lartpc/pretrain-sonata.py", option)
+
+
 def test_grpo_inverted_clip_range_is_refused():
     text = _error("grpo/tracks-grpo.py", "+model.grpo.epsilon=0.2", "+model.grpo.epsilon_high=0.1")
     assert text.startswith("model.grpo.epsilon_high=0.1 is invalid: it takes a value >= epsilon")

@@ -17,7 +17,7 @@ batch_size = 4
 batch_size_val = 8
 num_worker = 0
 
-grid_size = 0.001
+_grid_size = 0.001
 model = dict(
     type="DefaultSegmentorV2",
     num_classes=5,
@@ -49,7 +49,7 @@ scheduler = dict(type="OneCycleLR", max_lr=1e-2, pct_start=0.05, anneal_strategy
 
 _normalise = [
     dict(type="NormalizeCoord", center=[384.0, 384.0, 384.0], scale=768.0 * 3**0.5 / 2),
-    dict(type="GridSample", grid_size=grid_size, hash_type="fnv", mode="train", return_grid_coord=True),
+    dict(type="GridSample", grid_size=_grid_size, hash_type="fnv", mode="train", return_grid_coord=True),
     dict(type="LogTransform", min_val=0.01, max_val=20.0, keys=("energy",)),
     dict(type="CenterShift", axes=("x", "y", "z")),
 ]

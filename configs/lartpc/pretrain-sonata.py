@@ -16,8 +16,8 @@ batch_size = 4
 num_worker = 1
 clip_grad = 3.0
 
-grid_size = 0.001  # in the normalised coordinates: finer than a voxel, so every voxel is a point
-warmup_ratio = 0.05
+_grid_size = 0.001  # in the normalised coordinates: finer than a voxel, so every voxel is a point
+_warmup_ratio = 0.05
 
 encoder = dict(
     type="PT-v3m2",
@@ -50,30 +50,30 @@ model = dict(
     num_local_view=4,
     mask_size_start=0.01,
     mask_size_base=0.05,
-    mask_size_warmup_ratio=warmup_ratio,
+    mask_size_warmup_ratio=_warmup_ratio,
     mask_ratio_start=0.5,
     mask_ratio_base=0.8,
-    mask_ratio_warmup_ratio=warmup_ratio,
-    mask_jitter=grid_size / 2,
+    mask_ratio_warmup_ratio=_warmup_ratio,
+    mask_jitter=_grid_size / 2,
     teacher_temp_start=0.04,
     teacher_temp_base=0.07,
-    teacher_temp_warmup_ratio=warmup_ratio,
+    teacher_temp_warmup_ratio=_warmup_ratio,
     student_temp=0.1,
     mask_loss_weight=2 / 8,
     roll_mask_loss_weight=2 / 8,
     unmask_loss_weight=4 / 8,
     momentum_base=0.994,
     momentum_final=1.0,
-    match_max_r=3 * grid_size,  # a voxel is 0.0015 here: neighbouring voxels match
+    match_max_r=3 * _grid_size,  # a voxel is 0.0015 here: neighbouring voxels match
     up_cast_level=2,
 )
 
-base_lr, lr_decay = 2e-3, 0.9
+_base_lr, _lr_decay = 2e-3, 0.9
 _depths = encoder["enc_depths"]
-param_dicts = [dict(keyword=f"enc{e}.block{b}.", lr=base_lr * lr_decay ** (sum(_depths) - sum(_depths[:e]) - b - 1))
+param_dicts = [dict(keyword=f"enc{e}.block{b}.", lr=_base_lr * _lr_decay ** (sum(_depths) - sum(_depths[:e]) - b - 1))
                for e in range(len(_depths)) for b in range(_depths[e])]
-optimizer = dict(type="AdamW", lr=base_lr, weight_decay=0.04)
-scheduler = dict(type="OneCycleLR", max_lr=[base_lr] + [g["lr"] for g in param_dicts], pct_start=warmup_ratio,
+optimizer = dict(type="AdamW", lr=_base_lr, weight_decay=0.04)
+scheduler = dict(type="OneCycleLR", max_lr=[_base_lr] + [g["lr"] for g in param_dicts], pct_start=_warmup_ratio,
                  anneal_strategy="cos", div_factor=10.0, final_div_factor=1000.0)
 
 _normalise = dict(type="NormalizeCoord", center=[384.0, 384.0, 384.0], scale=768.0 * 3**0.5 / 2)
@@ -83,12 +83,12 @@ _view = [
     dict(type="RandomRotate", angle=[-1, 1], axis="x", center=[0, 0, 0], p=0.8),
     dict(type="RandomRotate", angle=[-1, 1], axis="y", center=[0, 0, 0], p=0.8),
     dict(type="RandomFlip", p=0.5, axes=("x", "y", "z")),
-    dict(type="RandomJitter", sigma=grid_size / 4, clip=grid_size, keys=("coord",)),
+    dict(type="RandomJitter", sigma=_grid_size / 4, clip=_grid_size, keys=("coord",)),
 ]
 _pretrain = [
     _normalise,
     dict(type="RandomScale", scale=[0.9, 1.1]),
-    dict(type="GridSample", grid_size=grid_size, hash_type="fnv", mode="train", sum_keys=("energy",)),
+    dict(type="GridSample", grid_size=_grid_size, hash_type="fnv", mode="train", sum_keys=("energy",)),
     dict(type="LogTransform", min_val=0.01, max_val=20.0, keys=("energy",)),
     dict(type="Copy", keys_dict={"coord": "origin_coord"}),
     dict(type="MultiViewGenerator", view_keys=("coord", "origin_coord", "energy"), global_view_num=2,
@@ -97,7 +97,7 @@ _pretrain = [
                                        p=0.8)],
          global_transform=_view, local_transform=_view, max_size=30000),
     dict(type="ToTensor"),
-    dict(type="Update", keys_dict={"grid_size": grid_size}),
+    dict(type="Update", keys_dict={"grid_size": _grid_size}),
     dict(type="Collect", keys=("global_origin_coord", "global_coord", "global_energy", "global_offset",
                                "local_origin_coord", "local_coord", "local_energy", "local_offset", "grid_size"),
          global_feat_keys=("global_coord", "global_energy"), local_feat_keys=("local_coord", "local_energy")),
@@ -105,7 +105,7 @@ _pretrain = [
 # The labelled validation events only feed the online linear probe.
 _probe = [
     _normalise,
-    dict(type="GridSample", grid_size=grid_size, hash_type="fnv", mode="train", return_grid_coord=True),
+    dict(type="GridSample", grid_size=_grid_size, hash_type="fnv", mode="train", return_grid_coord=True),
     dict(type="LogTransform", min_val=0.01, max_val=20.0, keys=("energy",)),
     dict(type="ToTensor"),
     dict(type="Collect", keys=("coord", "grid_coord", "segment"), feat_keys=("coord", "energy")),

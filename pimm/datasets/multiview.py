@@ -27,6 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from pimm.engines.registries import TRANSFORMS
+from pimm.utils.domains import (Choice, Int, Key, Keys, Names, NonNeg, Pair, PosInt, Positive, Prob, Real, Registered,
+                                Rule, Seq, Transforms)
 from pimm.utils.errors import UserError
 
 from .transforms import Compose, _keys, _range, _require
@@ -50,6 +52,15 @@ class MultiViewGenerator:
             within which the first crop's centre is drawn.
         shared_global_view: the other global crops are copies of the first.
     """
+
+    domains = dict(global_view_num=Int(1, 64), local_view_num=Int(0, 256),
+                   global_view_scale=Pair(Real(0, 1, lo_open=True)) | None,
+                   local_view_scale=Pair(Real(0, 1, lo_open=True)) | None,
+                   global_shared_transform=Transforms | Registered("transform"),
+                   global_transform=Transforms | Registered("transform"),
+                   local_transform=Transforms | Registered("transform"), max_size=PosInt,
+                   center_height_scale=Pair(Prob) | None, view_keys=Key | Names, center_sampling=Choice("random"))
+    domain_rules = (Rule(lambda a: "coord" in _keys(a.view_keys), "view_keys", "a list of keys including 'coord'"),)
 
     def __init__(self, global_view_num: int = 2, global_view_scale: Sequence[float] = (0.4, 1.0),
                  local_view_num: int = 4, local_view_scale: Sequence[float] = (0.1, 0.4),
@@ -138,6 +149,8 @@ class MultiplicativeRandomJitter:
     ``energy``) by ``1 + noise``, noise Gaussian of std ``sigma`` clipped to
     +-``clip`` (a charge/energy fluctuation)."""
 
+    domains = dict(sigma=NonNeg, clip=Positive, keys=Key | Keys, p=Prob)
+
     def __init__(self, sigma: float = 0.05, clip: float = 0.05, keys: Sequence[str] | str = ("energy",),
                  p: float = 0.5):
         if sigma < 0 or clip <= 0:
@@ -162,6 +175,8 @@ class CenterShift:
     configs and, as there, has no effect: ``axes`` decides."""
 
     _AXIS = {"x": 0, "y": 1, "z": 2}
+
+    domains = dict(axes=Choice("x", "y", "z") | Seq(Choice("x", "y", "z")))
 
     def __init__(self, apply_z: bool = True, axes: Sequence[str] | str = ("x", "y", "z")):
         axes = _keys(axes)

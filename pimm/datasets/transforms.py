@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from pimm.engines.registries import TRANSFORMS
-from pimm.utils.errors import UserError
+from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.domains import (
     Choice, DictOf, Key, Keys, MAX_REAL, NonNeg, Pair, Positive, Prob, Real, Registered, Seq, Transforms,
 )
@@ -116,13 +116,20 @@ class Copy:
         return out
 
 
+def _finite_if_number(key: str, value: Any) -> Any:
+    """any value, a number only a finite one (a grid size of nan would reach the model)"""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not Real(-MAX_REAL).accepts(value):
+        raise ConfigError(f"{key}={value!r} is invalid: it takes a finite number")
+    return value
+
+
 @TRANSFORMS.register_module()
 class Update:
     """Set entries to fixed values: ``keys_dict={key: value}``. Mostly used to
     set ``index_valid_keys``, the list of per-point entries later transforms
     keep aligned (see the module doc)."""
 
-    domains = dict(keys_dict=DictOf(Key) | None)
+    domains = dict(keys_dict=DictOf(Key, _finite_if_number) | None)
 
     def __init__(self, keys_dict: dict | None = None):
         self.keys_dict = dict(keys_dict or {})

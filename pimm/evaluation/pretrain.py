@@ -35,6 +35,7 @@ from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.evaluation.common import ClassesFromData
 from pimm.evaluation.metrics import confusion_matrix, segmentation_scores
+from pimm.utils.domains import MAX_SIZE, Choice, Count, DictOf, Int, Key, Names, NonNeg, PosInt, Registered, Seq, Text
 from pimm.utils.errors import ConfigError
 
 __all__ = ["PretrainEvaluator", "PrototypeUsageLogger", "FeatureStdMonitor", "point_level_features"]
@@ -44,6 +45,10 @@ def _frequency(value, who: str, name: str = "log_frequency", allow_zero: bool = 
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
         raise ConfigError(f"{who}: {name}={value!r} must be a {'non-negative' if allow_zero else 'positive'} integer")
     return value
+
+
+# The keys of PretrainEvaluator's train_config (its docstring says what each sets).
+_PROBE_OPTIONS = ("criteria", "lr", "epochs", "batch_size", "max_samples_per_class", "weight_decay")
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +77,8 @@ def _student_teacher(model: nn.Module) -> tuple[nn.Module | None, nn.Module | No
 class _ArmedForwardHooks(HookBase):
     """Forward hooks that record only on the steps numbered ``log_frequency``,
     ``2 * log_frequency``, ... (1-based), once per module and step."""
+
+    domains = dict(log_frequency=PosInt, prefix=Key)
 
     def __init__(self, log_frequency: int, prefix: str):
         self.log_frequency = _frequency(log_frequency, type(self).__name__)
@@ -195,6 +202,13 @@ class PretrainEvaluator(ClassesFromData, HookBase):
         class_names / num_classes / ignore_index: default from ``data``.
     """
 
+    domains = dict(label=Key, every_n_steps=Count, max_train_events=PosInt, max_test_events=PosInt,
+                   class_names=Names | None, prefix=Text(empty=True), num_classes=Int(1, MAX_SIZE) | None,
+                   ignore_index=Int(-1, MAX_SIZE) | None,
+                   train_config=DictOf(Choice(*_PROBE_OPTIONS), Seq(Registered("loss")) | NonNeg,
+                                       what="a dict of criteria (a list of loss dicts) and numbers >= 0 among "
+                                            + ", ".join(_PROBE_OPTIONS[1:])) | None)
+
     def __init__(self, label: str = "segment", write_cls_iou: bool = True, every_n_steps: int = 1,
                  max_train_events: int = 250, max_test_events: int = 250, class_names: Sequence[str] | None = None,
                  prefix: str = "", train_config: dict | None = None, num_classes: int | None = None,
@@ -207,7 +221,7 @@ class PretrainEvaluator(ClassesFromData, HookBase):
         self.class_names, self.num_classes, self.ignore_index = class_names, num_classes, ignore_index
         self.prefix = prefix.rstrip("/") + "/" if prefix else "val/"
         cfg = dict(train_config or {})
-        unknown = set(cfg) - {"criteria", "lr", "epochs", "batch_size", "max_samples_per_class", "weight_decay"}
+        unknown = set(cfg) - set(_PROBE_OPTIONS)
         if unknown:
             raise ConfigError(f"PretrainEvaluator: train_config has unknown key(s) {sorted(unknown)}")
         self.class_weight = None

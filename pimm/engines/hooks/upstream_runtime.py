@@ -23,6 +23,7 @@ from torch import nn
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.checkpoint import CheckpointSaver
 from pimm.engines.registries import HOOKS
+from pimm.utils.domains import Choice, Count, Key, Keys, Names, PosInt, Real, Seq, Text, show
 from pimm.utils.errors import ConfigError
 
 __all__ = ["WandbNamer", "ParameterCounter", "WeightDecayExclusion", "WeightDecayScheduler", "DtypeOverrider",
@@ -33,6 +34,22 @@ def _frequency(value, who: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{who}: log_frequency={value!r} must be a positive integer")
     return value
+
+
+def _patterns(key: str, value) -> object:
+    """a regular expression or a list of them, like 'LayerNorm'"""
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and items and all(isinstance(p, str) and p for p in items):
+        try:
+            for p in items:
+                re.compile(p)
+            return value
+        except re.error as err:
+            raise ConfigError(f"{key}={show(value)} is invalid: {err} (it takes {_patterns.__doc__})") from None
+    raise ConfigError(f"{key}={show(value)} is invalid: it takes {_patterns.__doc__}")
+
+
+_LOGGER_DOMAINS = dict(log_frequency=PosInt, prefix=Key)
 
 
 def _due(trainer, every: int) -> bool:
@@ -47,6 +64,8 @@ class WandbNamer(HookBase):
     skipped) joined by ``sep``, then ``extra``. ``format_numbers`` writes
     1000000 as ``1M``. A ``wandb_run_name`` already set (in the config or
     with ``--options``) wins; upstream lets only the command line's win."""
+
+    domains = dict(keys=Key | Keys, sep=Text(empty=True), extra=Text() | Seq(Text()) | None)
 
     def __init__(self, keys=(), sep: str = "-", format_numbers: bool = True, extra=None):
         self.keys = (keys,) if isinstance(keys, str) else tuple(keys)
@@ -90,6 +109,8 @@ class ParameterCounter(HookBase):
     one line per top-level module (``show_details``: per parameter tensor;
     ``show_gradients``: whether it is trained), largest first when
     ``sort_by_params``, skipping entries under ``min_params``."""
+
+    domains = dict(min_params=Count)
 
     def __init__(self, show_details: bool = True, show_gradients: bool = True, sort_by_params: bool = True,
                  min_params: int = 0):
@@ -171,6 +192,8 @@ class WeightDecayScheduler(HookBase):
 
     priority = "HIGH"  # before the step's forward, after nothing that reads weight decay
 
+    domains = dict(base_value=Real(0, 10), final_value=Real(0, 10), warmup_ratio=Real(0, 1, lo_open=True))
+
     def __init__(self, base_value: float = 0.04, final_value: float = 0.2, warmup_ratio: float = 1.0):
         if not warmup_ratio > 0:
             raise ConfigError(f"WeightDecayScheduler: warmup_ratio={warmup_ratio!r} must be positive")
@@ -202,6 +225,8 @@ class DtypeOverrider(HookBase):
 
     _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                "float16": torch.float16}
+
+    domains = dict(class_patterns=_patterns, dtype=Choice(*_DTYPES), methods_to_override=Key | Names)
 
     def __init__(self, class_patterns=("LayerNorm",), dtype: str = "float32", override_parameters: bool = True,
                  methods_to_override=("forward",)):
@@ -253,6 +278,8 @@ class GradientNormLogger(HookBase):
     gradients (before clipping) as ``<prefix>/total``; ``log_per_layer``
     adds one per parameter (``<prefix>/layers/<name>``)."""
 
+    domains = dict(norm_type=Real(0, 1000, lo_open=True) | Choice(math.inf), **_LOGGER_DOMAINS)
+
     def __init__(self, norm_type: float = 2.0, log_per_layer: bool = False, log_frequency: int = 1,
                  prefix: str = "grad_norm"):
         self.norm_type, self.log_per_layer = float(norm_type), bool(log_per_layer)
@@ -281,6 +308,8 @@ class ResourceUtilizationLogger(HookBase):
     (``system_memory_percent``, from /proc/meminfo); per GPU, memory
     allocated and reserved (``gpu<i>/allocated_gb``, ``gpu<i>/reserved_gb``)
     or their sum over devices without ``log_per_gpu``."""
+
+    domains = _LOGGER_DOMAINS
 
     def __init__(self, log_frequency: int = 10, prefix: str = "resources", log_per_gpu: bool = True,
                  log_cpu: bool = True, log_system_memory: bool = True):
