@@ -189,8 +189,8 @@ def test_grad_accum_steps_and_non_policy_models_are_refused(tmp_path):
         build_trainer(cfg)
     cfg = _config(tmp_path / "b")
     cfg.model = dict(type="DefaultSegmentor", num_classes=3, backbone=dict(type="SparseUNet", in_channels=1,
-                                                                            channels=(8,), enc_blocks=(1,),
-                                                                            dec_blocks=()))
+                                                                            channels=(8, 16), enc_blocks=(1, 1),
+                                                                            dec_blocks=(1,)))
     with pytest.raises(ConfigError, match="sample_grpo_batch"):
         build_trainer(cfg)
 

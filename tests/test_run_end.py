@@ -129,7 +129,7 @@ def _console_line(headline, published: dict, latest: dict | None = None) -> str:
     metrics.publish({k: torch.tensor(v) for k, v in published.items()}, dense=True, step=1)
     lines = []
     trainer = SimpleNamespace(metrics=metrics, epoch=0, max_epoch=1, iter=1, iters_per_epoch=1, global_step=1,
-                              headline_metric=headline, logger=SimpleNamespace(info=lines.append))
+                              headline_metric=headline, logger=SimpleNamespace(info=lines.append), comm_info={})
     writer = InformationWriter(log_frequency=1, max_extras=0)
     writer.trainer = trainer
     writer._flush_and_log()

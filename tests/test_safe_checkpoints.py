@@ -294,17 +294,19 @@ def test_trust_checkpoint_code_resumes_an_old_checkpoint_exactly_with_a_warning(
 
 
 def test_the_runs_record_never_carries_trust(tmp_path):
-    """Trusting one checkpoint is one invocation's decision: config.py records False."""
+    """Trusting one checkpoint is one invocation's decision: config.py and the
+    run records beside it (resolved_config.json) record False."""
     from pimm.engines.run_dir import write_config
     from pimm.utils.config import Config
 
     cfg = Config(dict(save_path=str(tmp_path / "run"), seed=1, trust_checkpoint_code=True))
     path = write_config(cfg)
     assert Config.fromfile(str(path)).trust_checkpoint_code is False
+    assert json.loads((path.parent / "resolved_config.json").read_text())["trust_checkpoint_code"] is False
     assert cfg.trust_checkpoint_code is True  # this invocation still trusts
     cfg.seed = 1
     write_config(cfg)  # the same run again: rewritten in place, nothing set aside
-    assert sorted(p.name for p in path.parent.iterdir()) == ["config.py"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["config.py", "resolved_config.json", "run_metadata.json"]
 
 
 def test_a_save_names_a_participant_whose_state_is_not_data(tmp_path, caplog):

@@ -73,10 +73,10 @@ data = dict(
     val=dict(type="LArTPCSynthDataset", num_events=100, split="val", transform=_normalise + _pack, in_memory=True),
 )
 
-hooks = [
-    dict(type="CheckpointLoader", keywords="module.student.backbone", replacement="module.backbone", strict=False),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=10),
-    dict(type="SemSegEvaluator", write_cls_iou=True),
-    dict(type="CheckpointSaver", save_freq=None),
-]
+# The pre-trained student's backbone is loaded into this model's backbone by the
+# default checkpoint loader, with upstream's keyword replacement.
+default_hooks = dict(
+    checkpoint_loader=dict(keywords="module.student.backbone", replacement="module.backbone", strict=False),
+    information_writer=dict(log_frequency=10),
+)
+hooks = [dict(type="SemSegEvaluator", write_cls_iou=True)]

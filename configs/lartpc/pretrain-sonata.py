@@ -117,15 +117,15 @@ data = dict(
     val=dict(type="LArTPCSynthDataset", num_events=60, split="val", transform=_probe, in_memory=True),
 )
 
+# The runtime services (checkpoint loading and saving, timer, log lines, live
+# control) come from the base's default_hooks; upstream's CheckpointSaverIteration
+# is default_hooks.checkpoint's save_freq here.
+default_hooks = dict(information_writer=dict(log_frequency=25), checkpoint=dict(save_freq=100))
 hooks = [
     dict(type="ParameterCounter", show_details=False, show_gradients=False, min_params=1),
     dict(type="WeightDecayExclusion"),
-    dict(type="CheckpointLoader"),
     dict(type="ModelHook"),
     dict(type="WeightDecayScheduler", base_value=0.04, final_value=0.2, warmup_ratio=1.0),
-    dict(type="IterationTimer", warmup_iter=2),
-    dict(type="InformationWriter", log_frequency=25),
-    dict(type="CheckpointSaverIteration", save_freq=100),
     dict(type="GradientNormLogger", log_frequency=25),
     dict(type="PretrainEvaluator", every_n_steps=100, max_train_events=30, max_test_events=30, write_cls_iou=True),
     dict(type="PrototypeUsageLogger", log_frequency=25),

@@ -258,14 +258,31 @@ class OneOf(Domain):
         return any(o.accepts(value) for o in self.options)
 
 
+# Catchable signals of the platforms pimm runs on (Linux, macOS/BSD, Windows), for
+# options that a config may carry from one platform to another (SIGINFO is BSD's).
+_PORTABLE_SIGNALS = frozenset((
+    "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGIOT", "SIGBUS", "SIGEMT", "SIGFPE",
+    "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD", "SIGCLD", "SIGCONT",
+    "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ", "SIGVTALRM", "SIGPROF", "SIGWINCH", "SIGIO",
+    "SIGPOLL", "SIGPWR", "SIGSYS", "SIGINFO", "SIGLOST", "SIGBREAK"))
+
+
 class Signal(Domain):
-    """A signal name this platform has and a process can catch (never SIGKILL/SIGSTOP)."""
+    """A signal name a process can catch (never SIGKILL/SIGSTOP): one this platform
+    has, or with ``portable=True`` one of any platform pimm runs on (the option's
+    owner then says what it does where the platform lacks it)."""
 
     what = "the name of a signal a process can catch, like 'SIGTERM' or 'SIGUSR2' (not SIGKILL or SIGSTOP)"
 
+    def __init__(self, portable: bool = False):
+        self.portable = portable
+
     def accepts(self, value):
-        return (isinstance(value, str) and value.startswith("SIG") and not value.startswith("SIG_")
-                and isinstance(getattr(_signal, value, None), _signal.Signals) and value not in ("SIGKILL", "SIGSTOP"))
+        if not isinstance(value, str) or value in ("SIGKILL", "SIGSTOP"):
+            return False
+        here = value.startswith("SIG") and not value.startswith("SIG_") and isinstance(
+            getattr(_signal, value, None), _signal.Signals)
+        return here or (self.portable and value in _PORTABLE_SIGNALS)
 
 
 def as_domain(spec: Any) -> Domain:

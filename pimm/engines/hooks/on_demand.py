@@ -88,7 +88,7 @@ class OnDemandValidation(HookBase):
     # repeated), before CheckpointSaver (LOW).
     priority = "BELOW_NORMAL"
 
-    domains = dict(signal=Signal(), check_every=PosInt)
+    domains = dict(signal=Signal(portable=True), check_every=PosInt)
 
     def __init__(self, signal: str = "SIGUSR1", check_every: int = 10):
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
