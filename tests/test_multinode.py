@@ -148,6 +148,8 @@ def test_pimm_torchrun_maps_the_workers_exits_and_refuses_its_own_signal_option(
 
     assert exit_code_of([75, 75]) == 75 and exit_code_of([75, 130]) == 75 and exit_code_of([130]) == 130
     assert exit_code_of([75, 1]) == 1 and exit_code_of([-9]) == 1 and exit_code_of([]) == 1
+    # a worker torchrun stopped with its closing SIGTERM after another exited keeps the verdict; alone it is a failure
+    assert exit_code_of([130, -15]) == 130 and exit_code_of([75, -15]) == 75 and exit_code_of([-15]) == 1
     assert main(["--signals_to_handle=SIGTERM", "--nproc_per_node=1", "train.py"]) == 2
 
 

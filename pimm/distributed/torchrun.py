@@ -21,6 +21,11 @@ their exits as a ``ChildFailedError``, which is mapped back:
 * every failed worker exited 130: exit 130;
 * anything else: torchrun's failure report on stderr, exit 1.
 
+A worker that torchrun itself stopped with its closing SIGTERM (exit -15)
+after another one had exited does not change the verdict: a worker exits
+75 or 130 only after the checkpoint is committed on every rank (the commit
+is collective), so the slower rank was past its part and only finishing up.
+
 No timeout kills the workers while they save, however long the checkpoint
 takes.
 """
@@ -54,6 +59,8 @@ def _forward(signum, frame) -> None:
 def exit_code_of(worker_codes: list[int]) -> int:
     """This launcher's exit code from the exit codes of the workers that failed."""
     codes = set(worker_codes)
+    if codes & {EXIT_PREEMPTED, EXIT_INTERRUPTED}:
+        codes.discard(-signal.SIGTERM)  # torchrun's closing signal to the workers still running
     if codes and codes <= {EXIT_PREEMPTED, EXIT_INTERRUPTED}:
         return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_INTERRUPTED
     return EXIT_FAILURE

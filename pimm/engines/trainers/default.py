@@ -370,6 +370,10 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 self.train_state.stop_reason = self.control.describe()
             self.save_checkpoint()
             self.checkpointer.wait()  # committed before the process exits
+            # Rank 0 commits after the others wrote their files: no rank reports the checkpoint
+            # (and exits 75 / 130) before the commit, so a launcher that stops the remaining
+            # workers once one has exited (torchrun) cannot cut the commit short.
+            comm.synchronize()
             then = ("exiting with code 75 (rerun with resume=True to continue)" if control.preempted
                     else "exiting with code 130" if control.interrupted else "training stopped")
             self.logger.warning(f"Checkpoint committed in {time.perf_counter() - start:.1f}s; {then}")
