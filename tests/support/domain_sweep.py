@@ -20,8 +20,8 @@ from pimm.utils.config import Config  # noqa: E402
 from pimm.utils.errors import UserError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-# The hostile values of issue 38, as the --options text a user would type.
-VALUES = ("None", "-1", "'zzz'", str(10**12), "[]", "1e30", "nan")
+# The hostile values of issues 38 and 32, as the --options text a user would type.
+VALUES = ("None", "-1", "0", "'zzz'", str(10**12), "[]", "1e30", "nan", "inf", "-inf")
 SKIP_KEYS = {"_base_", "custom_imports"}  # read when the file loads, not after --options
 
 
