@@ -182,7 +182,7 @@ class StopControl:
             return self.pending
         if self._agreed:  # requested on every rank at this very step: no collective needed
             return True
-        ballots = [b for b in self._ballots if global_step % b[0] == 0]
+        ballots = [b for b in self._ballots if global_step % b[0] == 0] if self._ballots else ()
         if global_step % self.check_every and not ballots:
             return False
         local = (_PREEMPTED if self.preempted else _INTERRUPTED if self.interrupted
