@@ -54,8 +54,10 @@ def test_transform_matches_upstream(spec):
     before, out = run(spec)
     expected = FIXTURE["outputs"][spec["name"]]
     for key, want in expected.items():
-        np.testing.assert_allclose(np.asarray(out[key], dtype=np.float64), np.asarray(want), rtol=2e-6, atol=2e-5,
-                                   err_msg=key)
+        got, want = np.asarray(reference.lookup(out, key), dtype=np.float64), np.asarray(want, dtype=np.float64)
+        if want.size == 0:  # JSON keeps no shape for an empty set of points
+            want = want.reshape(0, *got.shape[1:])
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-5, err_msg=key)
     if spec.get("crop") and "point_id" in expected:
         kept = np.asarray(out["point_id"]).astype(int)
         for key in reference.PER_POINT:
@@ -79,6 +81,9 @@ def test_every_case_changes_what_it_stores():
         if spec["name"].endswith("_p0"):
             continue
         outputs = FIXTURE["outputs"][spec["name"]]
+        if spec["cfg"]["type"] == "ComputeAnchors":
+            assert sum(len(v) for v in outputs.values()) >= 3, spec["name"]  # anchors found
+            continue
         changed = [k for k, v in outputs.items()
                    if k not in EVENT or np.shape(v) != EVENT[k].shape or not np.allclose(v, EVENT[k])]
         assert changed, spec["name"]
@@ -93,4 +98,4 @@ def test_fixture_names_every_transform_it_covers():
         "ConditionalRandomTransform", "RandomRotateTargetAngle", "SetRandomValue", "ClipGaussianJitter",
         "ElasticDistortion", "SphereCrop", "HardExampleCrop", "CropBoundary", "RandomDropout", "RandomDrop",
         "InstanceParser", "LocalCovarianceFeatures", "PDGToSemantic", "ContrastiveViewsGenerator",
-        "MixedScaleGeometryMultiViewGenerator"}
+        "MixedScaleGeometryMultiViewGenerator", "ComputeAnchors"}

@@ -359,3 +359,20 @@ def test_events_missing_a_required_entry_name_it():
         build(type="CropBoundary")({"coord": np.zeros((2, 3))})
     with pytest.raises(UserError, match="InstanceParser: the event has no 'instance'"):
         build(type="InstanceParser")({"coord": np.zeros((2, 3)), "segment": np.zeros(2)})
+
+
+def test_compute_anchors_marks_a_small_faint_cluster_as_led_and_refuses_unknown_options():
+    t = np.linspace(0, 30, 120, dtype=np.float32)
+    track = np.stack([t, 0.5 * t, 0 * t], 1)
+    blip = np.array([[40, 40, 40], [40.3, 40, 40], [40, 40.3, 40]], np.float32)
+    ev = dict(coord=np.concatenate([track, blip]), energy=np.r_[np.ones(120), 0.01 * np.ones(3)].astype(np.float32))
+    anchors = build(type="ComputeAnchors", cfg=dict(k=4, min_cluster_pts=5))(ev)["anchors"]
+    assert set(anchors) == {"endpoints", "branches_track", "branches_shower", "bragg", "led"}
+    np.testing.assert_array_equal(anchors["led"], blip)
+    assert all(v.dtype == np.float32 and v.shape[1:] == (3,) for v in anchors.values())
+    with pytest.raises(UserError, match="ComputeAnchors.cfg="):
+        build(type="ComputeAnchors", cfg=dict(neighbours=4))
+    with pytest.raises(UserError, match=r"ComputeAnchors cfg\['k'\]=2.5"):
+        build(type="ComputeAnchors", cfg=dict(k=2.5))
+    with pytest.raises(UserError, match="ComputeAnchors: the event has no 'energy'"):
+        build(type="ComputeAnchors")({"coord": track})

@@ -412,4 +412,4 @@ __all__ += ["GridSample"]
 # Upstream's other transforms, one module per family; imported here so that
 # importing this module registers every transform name.
 from . import transforms_color, transforms_crop, transforms_instance, transforms_spatial  # noqa: E402,F401
-from . import multiview_extra  # noqa: E402,F401
+from . import multiview_extra, transforms_anchors  # noqa: E402,F401
