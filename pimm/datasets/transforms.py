@@ -20,10 +20,14 @@ keep all per-point entries aligned.
 Transforms return a new dict and never write into the arrays they were given
 (upstream edits in place; results are the same).
 
-Randomness: random transforms draw from the *global* numpy RNG and hold no
-RNG of their own. The engine seeds that RNG per sample in data workers and
-checkpoints it in the main process, which is what makes augmentation replay
-exactly on resume. Apply geometric transforms before
+Randomness: random transforms draw from the *global* generators and hold
+none of their own -- NumPy's here; the ported families
+(:mod:`~pimm.datasets.transforms_color`, ``_spatial``, ``_crop``,
+``_instance``, ``_anchors``, :mod:`~pimm.datasets.multiview_extra`) also
+Python's ``random`` and torch's where upstream draws from them, in upstream's
+order. The engine seeds all three per sample in data workers and checkpoints
+them in the main process, which is what makes augmentation replay exactly on
+resume. Apply geometric transforms before
 :class:`~pimm.datasets.packing.ToTensor`.
 """
 
@@ -46,6 +50,7 @@ from .point_dict import _keys, _num_points, _require, index_points, point_keys
 from .voxelize import GridSample  # noqa: F401  (registered next to the other transforms; re-exported)
 
 from .geometry_targets import move_targets, own_targets
+from .transforms_energy import LogTransform  # noqa: F401  (moved there with the other energy maps; re-exported)
 
 __all__ = [
     "Compose", "Copy", "Update", "NormalizeCoord", "RandomRotate", "RandomFlip", "RandomJitter",
@@ -340,76 +345,9 @@ class ShufflePoint:
         return index_points(data, np.random.permutation(_num_points(data)))
 
 
-@TRANSFORMS.register_module()
-class LogTransform:
-    """Map deposited energies (long-tailed) onto about [-1, 1].
-
-    Upstream's form: for each of ``keys`` (default ``energy``),
-    ``2 * (log10(x + min_val) - log10(min_val)) / (log10(max_val + min_val) - log10(min_val)) - 1``
-    (``x = 0`` gives -1, ``x = max_val`` gives 1); ``log=False`` maps
-    ``[min_val, max_val]`` linearly instead. ``clip=True`` first clips ``x``
-    to ``[0, max_val]`` (log) or ``[min_val, max_val]`` (linear). A value the
-    log cannot take (``x <= -min_val``) is an error naming the key, never NaN.
-
-    pimm's earlier form is kept for existing configs and checkpoints: giving
-    ``key``, ``scale`` or ``out_key`` computes ``log1p(max(x, 0) / scale)``
-    (``scale`` default 1) from ``key`` (default ``energy``) into ``out_key``
-    (default: in place). The two forms cannot be mixed.
-    """
-
-    domains = dict(min_val=Real(-MAX_REAL) | None, max_val=Real(-MAX_REAL) | None, keys=Key | Keys, key=Key | None,
-                   scale=Positive | None, out_key=Key | None)
-
-    def __init__(self, min_val: float | None = None, max_val: float | None = None, log: bool = True,
-                 keys: Sequence[str] | str = ("energy",), clip: bool = False,
-                 key: str | None = None, scale: float | None = None, out_key: str | None = None):
-        self.legacy = key is not None or scale is not None or out_key is not None
-        if self.legacy:
-            if min_val is not None or max_val is not None:
-                raise UserError("LogTransform: give either min_val/max_val (log10 map onto [-1, 1]) or "
-                                "key/scale/out_key (log1p(x / scale)), not both")
-            self.scale = 1.0 if scale is None else scale
-            if not self.scale > 0:
-                raise UserError(f"LogTransform scale={scale!r} must be positive")
-            self.keys = (key or "energy",)
-            self.out_key = out_key or self.keys[0]
-            return
-        self.min_val = 1.0e-2 if min_val is None else float(min_val)
-        self.max_val = 20.0 if max_val is None else float(max_val)
-        self.log, self.clip, self.keys = bool(log), bool(clip), _keys(keys)
-        if self.log and not (self.min_val > 0 and self.max_val > 0):
-            raise UserError(f"LogTransform: min_val={self.min_val} and max_val={self.max_val} must be positive")
-        if not self.log and not self.max_val > self.min_val:
-            raise UserError(f"LogTransform(log=False): max_val={self.max_val} must exceed min_val={self.min_val}")
-
-    def _map(self, x: np.ndarray, key: str) -> np.ndarray:
-        if self.log:
-            if self.clip:
-                x = np.clip(x, 0.0, self.max_val)
-            shifted = x + self.min_val
-            if shifted.size and not (shifted > 0).all():
-                raise UserError(f"LogTransform: {key!r} has values <= -min_val ({-self.min_val}), whose log is "
-                                "undefined; raise min_val or pass clip=True")
-            low, high = np.log10(self.min_val), np.log10(self.max_val + self.min_val)
-            return 2.0 * (np.log10(shifted) - low) / (high - low) - 1.0
-        if self.clip:
-            x = np.clip(x, self.min_val, self.max_val)
-        return 2.0 * (x - self.min_val) / (self.max_val - self.min_val) - 1.0
-
-    def __call__(self, data: dict) -> dict:
-        out = dict(data)
-        for key in self.keys:
-            value = np.asarray(_require(data, key, "LogTransform"), dtype=np.float64)
-            if self.legacy:
-                out[self.out_key] = np.log1p(np.maximum(value, 0.0) / self.scale).astype(np.float32)
-            else:
-                out[key] = self._map(value, key).astype(np.float32)
-        return out
-
-
 __all__ += ["GridSample"]
 
 # Upstream's other transforms, one module per family; imported here so that
 # importing this module registers every transform name.
-from . import transforms_color, transforms_crop, transforms_instance, transforms_spatial  # noqa: E402,F401
-from . import multiview_extra, transforms_anchors  # noqa: E402,F401
+from . import transforms_color, transforms_crop, transforms_energy  # noqa: E402,F401
+from . import transforms_instance, transforms_spatial, multiview_extra, transforms_anchors  # noqa: E402,F401

@@ -1,11 +1,10 @@
-"""Colour and energy transforms, under upstream pimm's names and arguments.
+"""Colour transforms, under upstream pimm's names and arguments (the energy
+ones are in :mod:`pimm.datasets.transforms_energy`).
 
-Colour transforms act on ``color`` (RGB in ``[0, 255]``, the first three
-columns; more columns are left alone unless said otherwise) and do nothing
-when the event has no ``color``, as upstream. Energy transforms act on
-``energy``; :class:`RelativeLogNormalize` and :class:`MomentumTransform` on the
-``keys`` they are given. Each returns a new dict and new arrays, keeping the
-input's dtype (upstream edits in place).
+They act on ``color`` (RGB in ``[0, 255]``, the first three columns; more
+columns are left alone unless said otherwise) and do nothing when the event
+has no ``color``, as upstream. Each returns a new dict and new arrays,
+keeping the input's dtype (upstream edits in place).
 
 Random draws follow upstream's order on the same global streams, so a seed
 gives upstream's result (see :mod:`pimm.datasets.transform_args`).
@@ -14,19 +13,15 @@ gives upstream's result (see :mod:`pimm.datasets.transform_args`).
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
-
 import numpy as np
 import torch
 
 from pimm.engines.registries import TRANSFORMS
-from pimm.utils.domains import Key, Keys, NonNeg, Pair, Positive, Prob, Real, Rule
+from pimm.utils.domains import NonNeg, Pair, Prob, Real
 
-from .point_dict import _keys
 from .transform_args import check_args, need
 
-__all__ = ["NormalizeColor", "RelativeLogNormalize", "MomentumTransform", "ChromaticAutoContrast",
-           "ChromaticTranslation", "EnergeticTranslation", "ChromaticJitter", "EnergyJitter", "RandomColorGrayScale",
+__all__ = ["NormalizeColor", "ChromaticAutoContrast", "ChromaticTranslation", "ChromaticJitter", "RandomColorGrayScale",
            "RandomColorJitter", "HueSaturationTranslation", "RandomColorDrop"]
 
 
@@ -55,57 +50,6 @@ class NormalizeColor:
         color = np.asarray(data["color"])
         out = dict(data)
         out["color"] = color / (color.dtype.type(255) if color.dtype.kind == "f" else np.float32(255))
-        return out
-
-
-@TRANSFORMS.register_module()
-class RelativeLogNormalize:
-    """Per event, for each of ``keys`` (default ``time``): subtract the event's
-    minimum, clip to ``[0, max_val]``, map ``log1p(x / scale) / log1p(max_val / scale)``
-    onto ``[out_min, out_max]`` (float32). Only relative spacing survives (a
-    trigger offset drops out)."""
-
-    domains = dict(keys=Key | Keys, scale=Positive, max_val=Positive, out_min=Real(-1e9), out_max=Real(-1e9))
-    domain_rules = (Rule(lambda a: a.out_max > a.out_min, "out_max", "a number greater than out_min"),)
-
-    def __init__(self, keys: Sequence[str] | str = ("time",), scale: float = 50.0, max_val: float = 4000.0,
-                 out_min: float = -1.0, out_max: float = 1.0):
-        check_args(self, keys=keys, scale=scale, max_val=max_val, out_min=out_min, out_max=out_max)
-        self.keys, self.scale, self.max_val = _keys(keys), float(scale), float(max_val)
-        self.out_min, self.out_max = float(out_min), float(out_max)
-
-    def __call__(self, data: dict) -> dict:
-        out = dict(data)
-        for key in self.keys:
-            x = np.asarray(need(data, key, "RelativeLogNormalize"), dtype=np.float32)
-            if x.size == 0:
-                out[key] = x
-                continue
-            x = np.clip(x - x.min(), 0.0, self.max_val)
-            y = np.log1p(x / self.scale) / np.log1p(self.max_val / self.scale)
-            y = self.out_min + y * (self.out_max - self.out_min)
-            out[key] = np.clip(y, self.out_min, self.out_max).astype(np.float32)
-        return out
-
-
-@TRANSFORMS.register_module()
-class MomentumTransform:
-    """For each of ``keys`` present (default ``momentum``): positive entries
-    become ``log10(max(x, 1e-6))``; zero and negative entries (sentinels) pass
-    through unchanged."""
-
-    domains = dict(keys=Key | Keys)
-
-    def __init__(self, keys: Sequence[str] | str = ("momentum",)):
-        check_args(self, keys=keys)
-        self.keys = _keys(keys)
-
-    def __call__(self, data: dict) -> dict:
-        out = dict(data)
-        for key in self.keys:
-            if key in data:
-                p = np.asarray(data[key])
-                out[key] = np.where(p > 0, np.log10(np.clip(p, 1e-6, None)), p)
         return out
 
 
@@ -204,57 +148,6 @@ class RandomColorDrop(_ColorGate):
         out = dict(data)
         out["color"] = (color * self.color_augment).astype(color.dtype)
         return out
-
-
-class _EnergyGate(_ColorGate):
-    key = "energy"
-
-
-@TRANSFORMS.register_module()
-class EnergeticTranslation(_EnergyGate):
-    """With probability ``p``: add one offset, uniform in ``+-ratio``, to every
-    point's ``energy``; clip to ``[-1, 1]`` (for energy already mapped there,
-    e.g. by ``LogTransform``)."""
-
-    domains = dict(p=Prob, ratio=NonNeg)
-
-    def __init__(self, p: float = 0.95, ratio: float = 0.05):
-        check_args(self, p=p, ratio=ratio)
-        self.p, self.ratio = float(p), float(ratio)
-
-    def __call__(self, data: dict) -> dict:
-        if not self._fires(data):
-            return data
-        energy = np.asarray(data["energy"])
-        shift = (np.random.rand(1) - 0.5) * 2 * self.ratio
-        out = dict(data)
-        out["energy"] = np.clip(energy + shift, -1, 1).astype(_float_dtype(energy))
-        return out
-
-
-@TRANSFORMS.register_module()
-class EnergyJitter(_EnergyGate):
-    """With probability ``p``: multiply each ``energy`` entry by
-    ``1 + uniform(-jitter_ratio, jitter_ratio)``; clip below at ``min_val``."""
-
-    domains = dict(p=Prob, jitter_ratio=NonNeg, min_val=Real(-1e9))
-
-    def __init__(self, p: float = 0.5, jitter_ratio: float = 0.005, min_val: float = 0.0):
-        check_args(self, p=p, jitter_ratio=jitter_ratio, min_val=min_val)
-        self.p, self.jitter_ratio, self.min_val = float(p), float(jitter_ratio), float(min_val)
-
-    def __call__(self, data: dict) -> dict:
-        if not self._fires(data):
-            return data
-        energy = np.asarray(data["energy"])
-        jitter = (np.random.rand(*energy.shape) * 2 - 1) * self.jitter_ratio
-        out = dict(data)
-        out["energy"] = np.clip(energy * (1 + jitter), self.min_val, None).astype(_float_dtype(energy))
-        return out
-
-
-def _float_dtype(array: np.ndarray) -> np.dtype:
-    return array.dtype if array.dtype.kind == "f" else np.dtype(np.float32)
 
 
 @TRANSFORMS.register_module()
