@@ -376,3 +376,19 @@ def test_compute_anchors_marks_a_small_faint_cluster_as_led_and_refuses_unknown_
         build(type="ComputeAnchors", cfg=dict(k=2.5))
     with pytest.raises(UserError, match="ComputeAnchors: the event has no 'energy'"):
         build(type="ComputeAnchors")({"coord": track})
+
+
+def test_grid_neighbours_equal_brute_force_and_draw_nothing():
+    from pimm.datasets.neighbours import _brute, knn
+
+    rng = np.random.default_rng(5)
+    line = rng.uniform(0, 1, (4500, 1)) * np.array([[60.0, 20.0, -10.0]]) + rng.normal(0, 0.2, (4500, 3))
+    points = np.concatenate([line, rng.uniform(-40, 40, (300, 3))])  # a dense track and isolated points
+    state = np.random.get_state()[1].copy()
+    dist, index = knn(points, 9)
+    np.testing.assert_array_equal(np.random.get_state()[1], state)
+    rows = np.arange(0, len(points), 13)
+    want_dist, want_index = _brute(points[rows], points, 9)
+    np.testing.assert_array_equal(dist[rows], want_dist)
+    np.testing.assert_array_equal(index[rows], want_index)
+    assert (index[:, 0] == np.arange(len(points))).all()

@@ -28,9 +28,9 @@ from pimm.utils.domains import Choice, DictOf, Int, Key, Names, Pair, PosInt, Pr
 from pimm.utils.errors import UserError
 
 from .point_dict import _keys
+from .neighbours import knn
 from .transform_args import check_args, need
 from .transforms import Compose
-from .transforms_instance import knn
 
 __all__ = ["ContrastiveViewsGenerator", "MixedScaleGeometryMultiViewGenerator"]
 

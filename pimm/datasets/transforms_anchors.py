@@ -33,8 +33,8 @@ from pimm.engines.registries import TRANSFORMS
 from pimm.utils.domains import Choice, DictOf, Real
 from pimm.utils.errors import UserError
 
+from .neighbours import knn
 from .transform_args import check_args, need
-from .transforms_instance import knn
 
 __all__ = ["ANCHOR_DEFAULT_CFG", "ANCHOR_KEYS", "compute_anchors", "ComputeAnchors"]
 

@@ -4,9 +4,7 @@ boxes and principal axes), :class:`LocalCovarianceFeatures` (per-point
 neighbourhood eigenvalues) and :class:`PDGToSemantic` (labels from PDG codes
 when a data set has no label file).
 
-Neighbours are found exactly (:func:`knn`, brute force in chunks: fine for
-the tens of thousands of points of a LArTPC event; the time grows with the
-square of the point count).
+Neighbours are found exactly (:func:`pimm.datasets.neighbours.knn`).
 """
 
 from __future__ import annotations
@@ -19,25 +17,10 @@ import torch
 from pimm.engines.registries import TRANSFORMS
 from pimm.utils.domains import Choice, DictOf, Int, Key, Pair, PosInt, Positive, Real, Rule, Seq
 
+from .neighbours import knn
 from .transform_args import check_args, need
 
-__all__ = ["InstanceParser", "LocalCovarianceFeatures", "PDGToSemantic", "knn"]
-
-_CHUNK = 2048
-
-
-def knn(coord: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distances and indices of each point's ``k`` nearest points (itself
-    included, nearest first), in float64; ``k`` at most the point count."""
-    points = torch.as_tensor(np.asarray(coord, dtype=np.float64))
-    dists, index = [], []
-    for start in range(0, len(points), _CHUNK):
-        d = torch.cdist(points[start:start + _CHUNK], points, compute_mode="donot_use_mm_for_euclid_dist")
-        value, idx = torch.topk(d, k, dim=1, largest=False, sorted=True)
-        dists.append(value)
-        index.append(idx)
-    return torch.cat(dists).numpy(), torch.cat(index).numpy()
-
+__all__ = ["InstanceParser", "LocalCovarianceFeatures", "PDGToSemantic"]
 
 @TRANSFORMS.register_module()
 class InstanceParser:
