@@ -422,3 +422,13 @@ def test_a_data_set_pipeline_of_ported_transforms_keeps_every_label_on_its_point
         same = ev["instance"][rows][:, None] == ev["instance"][rows][None, :]  # renumbered, same grouping
         np.testing.assert_array_equal(out["instance"][:, None] == out["instance"][None, :], same)
         assert out["local_shape"].shape == (700, 4) and out["energy"].shape == (700, 1)
+
+
+def test_every_transform_imports_from_upstreams_path():
+    import pimm.datasets.transform as upstream_path
+
+    assert [n for n in TRANSFORMS.keys() if not hasattr(upstream_path, n)] == []
+    ev = event(n=5)
+    out = upstream_path.index_operator(ev, np.array([4, 0]))
+    np.testing.assert_array_equal(out["point_id"], [4, 0])
+    assert len(ev["coord"]) == 5
