@@ -427,8 +427,17 @@ def test_a_data_set_pipeline_of_ported_transforms_keeps_every_label_on_its_point
 def test_every_transform_imports_from_upstreams_path():
     import pimm.datasets.transform as upstream_path
 
-    assert [n for n in TRANSFORMS.keys() if not hasattr(upstream_path, n)] == []
+    ours = [n for n in TRANSFORMS.keys() if TRANSFORMS.get(n).__module__.startswith("pimm.datasets")]
+    assert len(ours) >= 46 and [n for n in ours if not hasattr(upstream_path, n)] == []
     ev = event(n=5)
     out = upstream_path.index_operator(ev, np.array([4, 0]))
     np.testing.assert_array_equal(out["point_id"], [4, 0])
     assert len(ev["coord"]) == 5
+
+
+def test_elastic_distortion_in_the_wrong_units_is_one_line():
+    ev = dict(coord=np.array([[0, 0, 0], [768, 768, 768]], np.float32))
+    seeded(0)
+    with pytest.raises(UserError, match="ElasticDistortion: granularity 0.2 over an event 768 wide") as err:
+        build(type="ElasticDistortion")(ev)
+    assert "\n" not in str(err.value)

@@ -21,6 +21,7 @@ from pimm.engines.registries import TRANSFORMS
 from pimm.utils.domains import (
     MAX_REAL, Choice, Key, Keys, Length, NonNeg, Pair, Positive, Prob, Real, Rule, Seq,
 )
+from pimm.utils.errors import UserError
 
 from .geometry_targets import move_targets, own_targets
 from .point_dict import _keys
@@ -30,6 +31,7 @@ __all__ = ["PositiveShift", "RandomShift", "PointClip", "ConditionalRandomTransf
            "SetRandomValue", "ClipGaussianJitter", "ElasticDistortion"]
 
 _NO_OWN_TARGETS = own_targets("", None, None, None)
+_MAX_NOISE_CELLS = 32_000_000  # ElasticDistortion's grid (3 floats a cell): beyond this the units are wrong
 _AXES = ("x", "y", "z")
 _Coordinate = Real(-MAX_REAL)
 
@@ -294,6 +296,10 @@ class ElasticDistortion:
     def _distort(coord: np.ndarray, granularity: float, magnitude: float) -> np.ndarray:
         low = coord.min(0)
         cells = ((coord - low).max(0) // granularity).astype(int) + 3
+        if np.prod(cells.astype(np.float64)) > _MAX_NOISE_CELLS:
+            raise UserError(f"ElasticDistortion: granularity {granularity} over an event {np.ptp(coord, 0).max():.4g} "
+                            f"wide needs a noise grid of {' x '.join(map(str, cells))} cells; give distortion_params "
+                            "in coord's units (e.g. apply it after NormalizeCoord, or raise the granularity)")
         noise = np.random.randn(*cells, 3).astype(np.float32)
         for _ in range(2):
             for axis in range(3):
