@@ -42,10 +42,10 @@ TINY, TINY_CRASH = CONFIGS / "tests" / "tiny_semseg.py", CONFIGS / "tests" / "ti
 # yet, and the issue bringing each.
 # (Sonata's issue #33 brought WandbNamer, WeightDecayExclusion, GradientNormLogger,
 # DtypeOverrider and CenterShift: the panda configs now train unmodified.)
-PENDING_HOOKS = {"SimulateCrash": "#34"}
+PENDING_HOOKS: dict[str, str] = {}
 PENDING_TRANSFORMS: dict[str, str] = {}
 PENDING = PENDING_HOOKS | PENDING_TRANSFORMS
-NEEDS = {FFT: (), DEC: (), SCRATCH: (), LIN: (), TINY_CRASH: ("SimulateCrash",), TINY: ()}
+NEEDS = {FFT: (), DEC: (), SCRATCH: (), LIN: (), TINY_CRASH: (), TINY: ()}
 EVENTS = {"train": 4, "val": 2, "test": 2}
 WIDTH = 8  # every stage's width after shrinking (upstream: 48..512)
 
@@ -226,3 +226,26 @@ def test_upstream_config_pieces_take_two_steps_in_process(config, data_roots, tm
         assert moved == {"seg_head.weight", "seg_head.bias"}
     if config == DEC:
         assert frozen and all(n.startswith(("backbone.embedding.", "backbone.enc.")) for n in frozen)
+
+
+@pytest.mark.slow
+def test_upstream_crash_config_dies_after_its_checkpoint_and_resumes_to_the_same_weights(data_roots, tmp_path,
+                                                                                         monkeypatch):
+    """Upstream's tiny_semseg_crash.py with $PIMM_SIMULATE_CRASH_STEP: the run
+    exits 137 right after step 5, before that epoch's checkpoint (one step an
+    epoch), the resumed run goes on from step 4 and finishes, and its weights
+    are those of the same config run without the variable."""
+    options = lambda save: run_options(TINY_CRASH, data_roots, save) + ["epoch=6"]  # noqa: E731  (6 steps)
+    reference = run_tool("train", TINY_CRASH, *options(tmp_path / "ref"), timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    monkeypatch.setenv("PIMM_SIMULATE_CRASH_STEP", "5")
+    crashed = run_tool("train", TINY_CRASH, *options(tmp_path / "run"), timeout=600)
+    assert crashed.returncode == 137, crashed.stderr[-3000:]
+    assert committed_steps(tmp_path / "run")[-1] == 4
+    # Still set: the resumed process runs 2 steps, fewer than 5, as upstream counts them.
+    resumed = run_tool("train", TINY_CRASH, *options(tmp_path / "run"), "resume=True", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from step000000004" in (tmp_path / "run" / "train.log").read_text()
+    ref = torch.load(tmp_path / "ref" / "model" / "model_last.pth", weights_only=True)["state_dict"]
+    got = torch.load(tmp_path / "run" / "model" / "model_last.pth", weights_only=True)["state_dict"]
+    assert [k for k in ref if not torch.equal(ref[k], got[k])] == []

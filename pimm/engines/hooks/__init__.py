@@ -3,6 +3,7 @@ and docs/hooks.md for every hook's options and an example."""
 
 from pimm.engines.hooks.base import PRIORITIES, EvalRun, HookBase
 from pimm.engines.hooks.checkpoint import CheckpointLoader, CheckpointSaver
+from pimm.engines.hooks.crash import SimulateCrash
 from pimm.engines.hooks.early_stopping import EarlyStopping
 from pimm.engines.hooks.ema import EMAHook
 from pimm.engines.hooks.evaluator import EvaluatorBase
@@ -24,4 +25,4 @@ __all__ = ["HookBase", "EvalRun", "PRIORITIES", "CheckpointLoader", "CheckpointS
            "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation",
            "ReduceLROnPlateau", "CheckpointSaverIteration", "DtypeOverrider", "GradientNormLogger",
            "ParameterCounter", "ResourceUtilizationLogger", "WandbNamer", "WeightDecayExclusion",
-           "WeightDecayScheduler"]
+           "WeightDecayScheduler", "SimulateCrash"]

@@ -73,7 +73,6 @@ class FinalEvaluator(HookBase):
 
 
 _INSTEAD = {
-    "SimulateCrash": "kill the process (e.g. tests/support/toy.py KillAtStep in pimm's own tests)",
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
     "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
     "RuntimeProfiler": "structured_logging.enabled=True, then `pimm trace summarize RUN`",

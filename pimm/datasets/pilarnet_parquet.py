@@ -1,0 +1,423 @@
+"""PILArNet-M events in parquet (upstream pimm's layout), read at random or streamed.
+
+One parquet row is one event, in the same flat columns as the HDF5 files
+(``docs/pilarnet.md``): ``point`` (list of ``N * 8`` floats), ``cluster`` (list
+of ``K * 5`` or ``K * 6`` ints), ``cluster_extra`` (list of floats, v2 / v3),
+plus ``n_points`` and ``event_id``, which upstream's converter adds and its
+readers use when present. Both readers decode rows with the HDF5 reader's
+:func:`~pimm.datasets.pilarnet.decode_event`, so an event reads the same from
+either format.
+
+* :class:`PILArNetParquetDataset` is map-style (memory-mapped Arrow tables,
+  one open per process), for fine-tuning, validation and anything that wants
+  random access; it takes the HDF5 reader's options.
+* :class:`PILArNetParquetIterableDataset` streams: each process and data-loader
+  worker reads its own contiguous block of the epoch (sequential reads, the
+  access pattern network file systems reward), with shard-order shuffling and
+  a reservoir buffer. It is written here rather than on Hugging Face
+  ``datasets`` streaming (upstream's choice) because exact mid-epoch resume
+  needs the stream's position to be state we own: the order is a pure
+  function of ``(seed, epoch)`` over event *indices*, so a resumed stream
+  replays the buffer on indices (no row is read twice) and continues at the
+  sample where it stopped, across ranks and workers.
+
+pyarrow is an optional dependency (``pip install "pimm[parquet]"``).
+:func:`write_pilarnet_parquet` writes events in this layout
+(``tools/export_pilarnet.py --format parquet``).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from pimm.engines.registries import DATASETS
+from pimm.utils import comm
+from pimm.utils.domains import (
+    Bool, Choice, Count, DictOf, FilePath, Int, Key, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
+)
+from pimm.utils.errors import ConfigError, UserError
+from pimm.utils.rng import derive_seed, seed_cpu_streams
+
+from .pilarnet import POINT_COLUMNS, REVISIONS, _event_rows, decode_event
+from .collate import collate_fn as point_collate_fn
+from .point_dataset import PointDataset
+
+__all__ = ["PILArNetParquetDataset", "PILArNetParquetIterableDataset", "write_pilarnet_parquet",
+           "resolve_parquet_files"]
+
+logger = logging.getLogger(__name__)
+
+SPLIT_ALIASES = {"val": "validation", "valid": "validation"}  # the Hugging Face export's split names
+DEFAULT_REPO = "DeepLearnPhysics/PILArNet-M-mini"
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.compute  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise UserError('reading or writing PILArNet parquet files needs pyarrow: pip install "pimm[parquet]"') from None
+    return pyarrow
+
+
+def resolve_parquet_files(split: str, data_root: str | os.PathLike | None = None, *, repo_id: str | None = None,
+                          parquet_revision: str = "refs/convert/parquet", config_name: str = "default",
+                          revision: str = "v2") -> list[str]:
+    """The parquet files of ``split``, sorted. ``data_root`` is searched as
+    upstream does (``<config>/<split>/*.parquet``, ``<split>/*.parquet``,
+    ``*<split>*/*.parquet``, ``*<split>*.parquet``; ``val`` also finds
+    ``validation``); a single file or a glob is taken as it is. With no
+    ``data_root``, ``$PILARNET_PARQUET_ROOT_<REV>``, then the local Hugging Face
+    cache of ``repo_id`` (nothing is downloaded at run time)."""
+    hf_split = SPLIT_ALIASES.get(split, split)
+    if data_root is None:
+        data_root = os.environ.get(f"PILARNET_PARQUET_ROOT_{revision.upper()}")
+    if data_root is None:
+        return _cached_hub_files(repo_id, hf_split, parquet_revision, config_name, revision)
+    root = os.path.expanduser(str(data_root))
+    if os.path.isfile(root):
+        return [root]
+    if glob.has_magic(root):
+        files = sorted(f for f in glob.glob(root) if os.path.isfile(f))
+        if not files:
+            raise UserError(f"data_root={data_root!r} matches no file")
+        return files
+    if not os.path.isdir(root):
+        raise UserError(f"data_root={data_root!r} does not exist; point it at a folder of PILArNet parquet files "
+                        "(tools/export_pilarnet.py --format parquet writes one)")
+    patterns = [f"{config_name}/{name}/*.parquet" for name in dict.fromkeys((hf_split, split))]
+    patterns += [f"{hf_split}/*.parquet", f"*{hf_split}*/*.parquet", f"*{hf_split}*.parquet"]
+    if split != hf_split:
+        patterns += [f"{split}/*.parquet", f"*{split}*/*.parquet"]
+    for pattern in patterns:
+        files = sorted(glob.glob(os.path.join(root, pattern)))
+        if files:
+            return files
+    raise UserError(f"no parquet files for split {split!r} under {root} (tried {', '.join(patterns)})")
+
+
+def _cached_hub_files(repo_id, hf_split, parquet_revision, config_name, revision) -> list[str]:
+    where = (f"set data_root (or $PILARNET_PARQUET_ROOT_{revision.upper()}) to a folder of parquet files, or fetch "
+             f"them once with `huggingface-cli download --repo-type dataset {repo_id} --revision {parquet_revision}`")
+    if repo_id is None:
+        raise UserError(f"no data_root and no repo_id: {where}")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise UserError(f"no data_root: {where} (reading the cache needs pip install \"pimm[hub]\")") from None
+    try:  # local_files_only: a training run never downloads
+        folder = snapshot_download(repo_id, repo_type="dataset", revision=parquet_revision, local_files_only=True,
+                                   allow_patterns=f"{config_name}/{hf_split}/*.parquet")
+    except Exception:
+        raise UserError(f"{repo_id}@{parquet_revision} is not in the local Hugging Face cache: {where}") from None
+    files = sorted(glob.glob(os.path.join(folder, config_name, hf_split, "*.parquet")))
+    if not files:
+        raise UserError(f"the cached {repo_id}@{parquet_revision} has no {config_name}/{hf_split}/*.parquet: {where}")
+    return files
+
+
+def _point_counts(path: str) -> np.ndarray:
+    """Per-row point counts: the ``n_points`` column when the file has one,
+    else the lengths of the ``point`` lists / 8 (both read without the rows)."""
+    pa = _pyarrow()
+    try:
+        schema = pa.parquet.read_schema(path)
+        column = "n_points" if "n_points" in schema.names else "point"
+        if column not in schema.names:
+            raise UserError(f"{path} has no 'point' column: it is not a PILArNet parquet file "
+                            f"(columns: {', '.join(schema.names)})")
+        values = pa.parquet.read_table(path, columns=[column], memory_map=True).column(column)
+    except (OSError, pa.ArrowException) as err:
+        raise UserError(f"cannot read {path} as parquet: {err}") from None
+    if column == "n_points":
+        return np.asarray(values.to_numpy(), dtype=np.int64)
+    return np.asarray(pa.compute.list_value_length(values).to_numpy(zero_copy_only=False), dtype=np.int64) // len(
+        POINT_COLUMNS)
+
+
+def _kept_rows(files: Sequence[str], min_points: int, max_len: int | None) -> tuple[np.ndarray, int]:
+    """``(file id, row)`` of every event with at least ``min_points`` points,
+    capped at ``max_len`` (``-1``/``0``/``None``: all), and the count before."""
+    entries, total = [], 0
+    for file_id, path in enumerate(files):
+        counts = _point_counts(path)
+        total += len(counts)
+        rows = np.flatnonzero(counts >= min_points)
+        entries.append(np.stack([np.full(len(rows), file_id), rows], axis=1))
+    index = np.concatenate(entries).astype(np.int64) if entries else np.zeros((0, 2), dtype=np.int64)
+    if max_len is not None and max_len > 0:
+        index = index[:max_len]
+    return index, total
+
+
+class _Tables:
+    """Memory-mapped Arrow tables, opened lazily in each process (never pickled)."""
+
+    def __init__(self, files: Sequence[str]):
+        self.files, self._open, self._pid = list(files), {}, os.getpid()
+
+    def __getstate__(self):
+        return {"files": self.files, "_open": {}, "_pid": None}
+
+    def row(self, file_id: int, row: int) -> dict:
+        if self._pid != os.getpid():
+            self._open, self._pid = {}, os.getpid()
+        table = self._open.get(file_id)
+        if table is None:
+            table = self._open[file_id] = _pyarrow().parquet.read_table(self.files[file_id], memory_map=True)
+        one = table.slice(row, 1)
+        out = {}
+        for name in ("point", "cluster", "cluster_extra"):
+            if name in one.column_names:
+                out[name] = one.column(name).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        if "event_id" in one.column_names:
+            out["event_id"] = one.column("event_id")[0].as_py()
+        return out
+
+
+def _decode(tables: _Tables, file_id: int, row: int, revision: str, split: str, options: dict) -> dict:
+    raw = tables.row(file_id, row)
+    path = tables.files[file_id]
+    if revision != "v1" and "cluster_extra" not in raw:
+        raise UserError(f"{path} has no cluster_extra column, so it is a v1 file: use revision='v1'")
+    data = decode_event(raw["point"], raw["cluster"], raw.get("cluster_extra") if revision != "v1" else None,
+                        revision, where=f"{path}, row {row}", **options)
+    data.update(name=raw.get("event_id") or f"{split}_{row}", split=split, revision=revision)
+    return data
+
+
+def _refuse_test_mode(name: str, test_mode: bool, test_cfg: Any) -> None:
+    if test_mode or test_cfg is not None:
+        raise ConfigError(f"{name} does not support test_mode/test_cfg (as upstream); "
+                          "test with PILArNetH5Dataset (tools/export_pilarnet.py writes both formats)")
+
+
+_SHARED_DOMAINS = dict(repo_id=Key | None, data_root=FilePath | None, split=Key, transform=Transforms,
+                       revision=Choice(*REVISIONS), parquet_revision=Key, config_name=Key, loop=PosInt,
+                       ignore_index=Int(-1, MAX_SIZE), energy_threshold=NonNeg, min_points=Count,
+                       max_len=Int(-1) | None, test_cfg=DictOf() | None)
+
+
+@DATASETS.register_module()
+class PILArNetParquetDataset(PointDataset):
+    """PILArNet-M events from parquet files, at random (upstream's arguments).
+
+    Args:
+        repo_id: a Hugging Face dataset whose parquet export is read from the
+            local cache when neither ``data_root`` nor
+            ``$PILARNET_PARQUET_ROOT_<REV>`` is set (nothing is downloaded).
+        data_root: a folder (searched as :func:`resolve_parquet_files` says),
+            one ``.parquet`` file or a glob.
+        split: ``"train"``, ``"val"`` (finds ``validation``) or ``"test"``.
+        revision: the column layout, ``"v1"``, ``"v2"`` or ``"v3"``.
+        parquet_revision, config_name: where the export lies in ``repo_id``.
+        loop, ignore_index, energy_threshold, min_points, max_len,
+        remove_low_energy_scatters, old_pid_mapping: as in
+        :class:`~pimm.datasets.pilarnet.PILArNetH5Dataset`.
+        test_mode, test_cfg: refused, as upstream.
+        overlay_n_events, overlay_prob, overlay_allow_repeats: event overlay;
+            only the default (no overlay) is supported on this reader.
+
+    Items are those of the HDF5 reader; ``name`` is the row's ``event_id``, or
+    ``"<split>_<row>"`` when the file has none.
+    """
+
+    domains = dict(_SHARED_DOMAINS, overlay_n_events=PosInt | Seq(PosInt, length=2), overlay_prob=Prob)
+
+    def __init__(self, repo_id: str | None = DEFAULT_REPO, data_root: str | os.PathLike | None = None,
+                 split: str = "train", transform: Sequence[Any] | None = None, revision: str = "v2",
+                 parquet_revision: str = "refs/convert/parquet", config_name: str = "default", loop: int = 1,
+                 ignore_index: int = -1, energy_threshold: float = 0.0, min_points: int = 1024,
+                 max_len: int | None = -1, remove_low_energy_scatters: bool = False, old_pid_mapping: bool = False,
+                 test_mode: bool = False, test_cfg: Any = None, overlay_n_events: int | Sequence[int] = 1,
+                 overlay_prob: float = 1.0, overlay_allow_repeats: bool = True):
+        super().__init__(split="val" if split == "validation" else split, transform=transform)
+        _refuse_test_mode(type(self).__name__, test_mode, test_cfg)
+        if overlay_n_events not in (1, (1, 1), [1, 1]):
+            raise ConfigError(f"overlay_n_events={overlay_n_events!r}: event overlay is not supported on the parquet "
+                              "reader; use PILArNetH5Dataset or leave it at 1")
+        self.revision, self.loop, self.ignore_index = revision, loop, ignore_index
+        self.files = resolve_parquet_files(split, data_root, repo_id=repo_id, parquet_revision=parquet_revision,
+                                           config_name=config_name, revision=revision)
+        self.index, total = _kept_rows(self.files, min_points, max_len)
+        if len(self.index) == 0:
+            raise UserError(f"none of the {total} events in {len(self.files)} parquet file(s) is kept "
+                            f"(min_points={min_points}, max_len={max_len}); lower min_points or check data_root")
+        self._options = dict(energy_threshold=float(energy_threshold),
+                             remove_low_energy_scatters=bool(remove_low_energy_scatters),
+                             old_pid_mapping=bool(old_pid_mapping))
+        self._tables = _Tables(self.files)
+        logger.info("PILArNetParquetDataset %s: %d of %d events in %d file(s) x loop %d", split, len(self.index),
+                    total, len(self.files), loop)
+
+    def __len__(self) -> int:
+        return len(self.index) * self.loop
+
+    def get_data(self, idx: int) -> dict:
+        file_id, row = (int(v) for v in self.index[idx % len(self.index)])
+        return _decode(self._tables, file_id, row, self.revision, self.split, self._options)
+
+
+@DATASETS.register_module()
+class PILArNetParquetIterableDataset(IterableDataset):
+    """PILArNet-M events streamed from parquet files (upstream's arguments),
+    resumable mid-epoch across processes and data-loader workers.
+
+    Each epoch, the files are put in an order drawn from ``(seed, epoch)``
+    (``shuffle``), their kept events laid end to end, and the sequence cut into
+    one contiguous block per (process, worker); the last ``len % blocks``
+    events of an epoch are left out so every block is equally long. Within a
+    block a reservoir of ``shuffle_buffer_size`` events mixes the order. A
+    block's events are a function of ``(seed, epoch, rank, worker)`` only, so a
+    resumed stream continues at the event where it stopped. ``num_samples()``
+    is the size of the whole stream (all processes), which the engine divides
+    into steps per epoch (or set ``iters_per_epoch``).
+
+    Args (beyond :class:`PILArNetParquetDataset`'s):
+        shuffle: shuffle file order and events (buffered).
+        shuffle_buffer_size: events held in the reservoir (1: file order only).
+        seed: the stream's seed.
+        loop: accepted for config-swap parity; a stream's epoch is set by
+            ``iters_per_epoch``, so another value is refused.
+    """
+
+    domains = dict(_SHARED_DOMAINS, shuffle=Bool, shuffle_buffer_size=PosInt, seed=Int(0))
+
+    def __init__(self, repo_id: str | None = DEFAULT_REPO, data_root: str | os.PathLike | None = None,
+                 split: str = "train", transform: Sequence[Any] | None = None, revision: str = "v2",
+                 parquet_revision: str = "refs/convert/parquet", config_name: str = "default",
+                 energy_threshold: float = 0.0, min_points: int = 1024, max_len: int | None = -1,
+                 remove_low_energy_scatters: bool = False, old_pid_mapping: bool = False, shuffle: bool = True,
+                 shuffle_buffer_size: int = 1000, seed: int = 0, loop: int = 1, ignore_index: int = -1,
+                 test_mode: bool = False, test_cfg: Any = None):
+        super().__init__()
+        _refuse_test_mode(type(self).__name__, test_mode, test_cfg)
+        if loop != 1:
+            raise ConfigError(f"loop={loop!r}: a stream has no loop; set iters_per_epoch in the config to "
+                              "choose the epoch's length")
+        self.split, self.revision, self.ignore_index = split, revision, ignore_index
+        self.shuffle, self.buffer_size, self.seed = bool(shuffle), int(shuffle_buffer_size), int(seed)
+        self.files = resolve_parquet_files(split, data_root, repo_id=repo_id, parquet_revision=parquet_revision,
+                                           config_name=config_name, revision=revision)
+        self.index, total = _kept_rows(self.files, min_points, max_len)
+        if len(self.index) == 0:
+            raise UserError(f"none of the {total} events in {len(self.files)} parquet file(s) is kept "
+                            f"(min_points={min_points}, max_len={max_len}); lower min_points or check data_root")
+        self.transform = None
+        if transform:
+            from .transforms import Compose
+
+            self.transform = Compose(transform)
+        self._options = dict(energy_threshold=float(energy_threshold),
+                             remove_low_energy_scatters=bool(remove_low_energy_scatters),
+                             old_pid_mapping=bool(old_pid_mapping))
+        self._tables = _Tables(self.files)
+        # The stream's resumable state: the epoch being read and how many of
+        # this block's events were handed out. ``_fresh``: the next __iter__
+        # continues this epoch (start of run, or just restored) instead of
+        # starting the next one.
+        self.epoch, self.offset, self._fresh = 0, 0, True
+
+    collate_fn = staticmethod(point_collate_fn)
+
+    def num_samples(self) -> int:
+        """Events per epoch in the whole stream (all processes together)."""
+        return len(self.index)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its beginning on the next iteration."""
+        self.epoch, self.offset, self._fresh = int(epoch), 0, True
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset, self._fresh = int(state["epoch"]), int(state["offset"]), True
+
+    def _block(self, epoch: int) -> tuple[np.ndarray, int]:
+        """This stream's event order for ``epoch`` and its (rank, worker) id."""
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        world, rank = comm.get_world_size(), comm.get_rank()
+        blocks, block = world * workers, rank * workers + worker
+        order = self.index
+        if self.shuffle:
+            files = np.random.default_rng(derive_seed(self.seed, epoch)).permutation(len(self.files))
+            order = np.concatenate([self.index[self.index[:, 0] == f] for f in files])
+        size = len(order) // blocks
+        mine = order[block * size:(block + 1) * size]
+        if self.shuffle and self.buffer_size > 1:
+            mine = _reservoir(mine, self.buffer_size, np.random.default_rng(derive_seed(self.seed, epoch, block + 1)))
+        return mine, block
+
+    def __iter__(self):
+        if not self._fresh:  # the previous pass ended (or was left): the next epoch
+            self.epoch, self.offset = self.epoch + 1, 0
+        self._fresh = False
+        events, block = self._block(self.epoch)
+        in_worker = get_worker_info() is not None
+        while self.offset < len(events):
+            file_id, row = (int(v) for v in events[self.offset])
+            position = self.offset
+            self.offset += 1
+            data = _decode(self._tables, file_id, row, self.revision, self.split, self._options)
+            if self.transform is not None:
+                if in_worker:  # augmentations: a function of (seed, epoch, block, position), as map-style data
+                    seed_cpu_streams(derive_seed(self.seed, self.epoch, block, position))
+                data = self.transform(data)
+            yield data
+
+
+def _reservoir(events: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """The order a streaming shuffle buffer of ``size`` gives ``events``: fill
+    the buffer, then for each new event hand out a random buffered one and put
+    the new one in its place; drain the rest in random order."""
+    buffer, out = [], []
+    for event in events:
+        if len(buffer) < size:
+            buffer.append(event)
+            continue
+        slot = int(rng.integers(size))
+        out.append(buffer[slot])
+        buffer[slot] = event
+    out.extend(buffer[i] for i in rng.permutation(len(buffer)))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def write_pilarnet_parquet(events: Iterable[dict], path: str | os.PathLike, revision: str = "v2",
+                           row_group_size: int = 256, name_prefix: str | None = None) -> int:
+    """Write events (dicts with ``coord``, ``energy``, ``segment``, optionally
+    ``instance`` / ``interaction``) to one parquet file in the PILArNet-M
+    ``revision`` layout, with ``n_points`` and ``event_id`` columns; returns the
+    number of events. Written to a temporary name, then renamed."""
+    pa = _pyarrow()
+    if revision not in REVISIONS:
+        raise UserError(f"write_pilarnet_parquet: revision={revision!r} is not one of {', '.join(REVISIONS)}")
+    path = Path(path)
+    prefix = name_prefix if name_prefix is not None else path.stem
+    columns: dict[str, list] = {"point": [], "cluster": [], "n_points": [], "event_id": []}
+    if revision != "v1":
+        columns["cluster_extra"] = []
+    for i, event in enumerate(events):
+        point, cluster, extra = _event_rows(event, revision)
+        columns["point"].append(point)
+        columns["cluster"].append(cluster)
+        if revision != "v1":
+            columns["cluster_extra"].append(extra)
+        columns["n_points"].append(len(point) // len(POINT_COLUMNS))
+        columns["event_id"].append(f"{prefix}_{i}")
+    types = {"point": pa.list_(pa.float32()), "cluster": pa.list_(pa.int64()),
+             "cluster_extra": pa.list_(pa.float32()), "n_points": pa.int64(), "event_id": pa.string()}
+    table = pa.table({name: pa.array(values, type=types[name]) for name, values in columns.items()})
+    tmp = path.with_name(f".{path.name}.tmp")
+    pa.parquet.write_table(table, tmp, row_group_size=row_group_size)
+    os.replace(tmp, path)
+    return table.num_rows
