@@ -143,10 +143,11 @@ def test_concat_of_default_datasets_resumes_mid_epoch_bit_identically(tmp_path, 
     assert [s for s, _ in train_losses(reference)] == list(range(1, 7))
     crashed = tmp_path / "crashed"
     cfg = _train_config(tmp_path, root, crashed, workers, 'custom_imports = ["tests.support.toy"]\n'
-                        'hooks = hooks + [dict(type="KillAtStep", step=5)]\n')
+                        'hooks = hooks + [dict(type="KillAtStep", step=5, wait_for_commit=True)]\n')
     assert run_tool("train", cfg).returncode == -9  # after step 4's checkpoint: mid-epoch 2
     resumed = run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from step000000004" in (crashed / "train.log").read_text()
     want, got = final_weights(reference), final_weights(crashed)
     assert all(torch.equal(want["state_dict"][k], got["state_dict"][k]) for k in want["state_dict"])
     assert train_losses(reference) == train_losses(crashed)

@@ -181,11 +181,11 @@ def test_make_lucid_command_writes_shards_and_refuses_to_overwrite(tmp_path):
     assert bad.returncode == 2 and "--species 'tau' is not one of electron, muon" in bad.stderr
 
 
-def _config(tmp_path, production, save, extra=""):
+def _config(tmp_path, production, save, extra="", workers=0):
     path = tmp_path / f"cfg_{save.name}.py"
     root = str(production)
     path.write_text(f"_base_ = {str(ROOT / 'configs' / 'lucid' / 'cls-pmt-grid.py')!r}\n"
-                    f"save_path = {str(save)!r}\nepoch = 2\nbatch_size = 8\nbatch_size_val = 16\n"
+                    f"save_path = {str(save)!r}\nepoch = 2\nbatch_size = 8\nbatch_size_val = 16\nnum_worker = {workers}\n"
                     f"_small = dict(data_root={root!r}, holdout_events_per_config=5)\n"
                     "data = dict(train=_small, val=_small, test=_small)\n"
                     "model = dict(width=4, depth=2)\n"
@@ -194,16 +194,17 @@ def _config(tmp_path, production, save, extra=""):
     return path
 
 
-def test_shipped_config_resumes_mid_epoch_bit_identically(tmp_path, production):
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_shipped_config_resumes_mid_epoch_bit_identically(tmp_path, production, workers):
     """50 training events in batches of 8: 6 full steps per epoch; killed at step 5
     (mid-epoch, after the step-3 checkpoint), resumed, compared with a clean run."""
     reference = tmp_path / "ref"
-    done = run_tool("train", _config(tmp_path, production, reference))
+    done = run_tool("train", _config(tmp_path, production, reference, workers=workers))
     assert done.returncode == 0, done.stderr[-2000:]
     assert [s for s, _ in train_losses(reference)] == list(range(1, 13))
     crashed = tmp_path / "crashed"
     cfg = _config(tmp_path, production, crashed, 'custom_imports = ["tests.support.toy"]\n'
-                  'hooks = hooks + [dict(type="KillAtStep", step=5)]\n')
+                  'hooks = hooks + [dict(type="KillAtStep", step=5, wait_for_commit=True)]\n', workers=workers)
     assert run_tool("train", cfg).returncode == -9
     resumed = run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1")
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -113,10 +113,11 @@ def test_overlaid_training_resumes_mid_epoch_bit_identically(tmp_path, events, w
     assert [s for s, _ in train_losses(reference)] == list(range(1, 13))
     crashed = tmp_path / "crashed"
     cfg = _config(tmp_path, events, crashed, workers, 'custom_imports = ["tests.support.toy"]\n'
-                  'hooks = hooks + [dict(type="KillAtStep", step=6)]\n')
+                  'hooks = hooks + [dict(type="KillAtStep", step=6, wait_for_commit=True)]\n')
     assert run_tool("train", cfg).returncode == -9  # after step 4's checkpoint: mid-epoch 1
     resumed = run_tool("train", cfg, "resume=True", "hooks.KillAtStep.step=-1")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from step000000004" in (crashed / "train.log").read_text()
     want, got = final_weights(reference), final_weights(crashed)
     assert all(torch.equal(want["state_dict"][k], got["state_dict"][k]) for k in want["state_dict"])
     assert train_losses(reference) == train_losses(crashed)
