@@ -166,6 +166,7 @@ def test_bad_shards_and_options_are_one_line_naming_the_file(production, tmp_pat
     with pytest.raises(ConfigError, match="test_mode=True is not supported"):
         LUCiDEventSSLDataset(production, ["muon"], test_mode=True)
     assert "keeps no event" in message(lambda: LUCiDEventSSLDataset(production, ["muon"], split="val"))
+    assert "config 'tau' reads" in message(lambda: LUCiDEventSSLDataset(production, ["muon", "tau"]))
 
 
 def test_make_lucid_command_writes_shards_and_refuses_to_overwrite(tmp_path):

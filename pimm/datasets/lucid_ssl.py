@@ -136,6 +136,10 @@ class LUCiDEventSSLDataset(Dataset):
 
     def _source(self, spec: dict) -> LUCiDDataset:
         root = spec["data_root"] or os.path.join(self.data_root, spec["name"])
+        if not os.path.isdir(os.path.expanduser(str(root))):
+            raise UserError(f"LUCiDEventSSLDataset: config {spec['name']!r} reads {os.path.abspath(root)}, which is "
+                            f"not a folder; generate it with `python tools/make_lucid.py --out {self.data_root}` "
+                            "or set data_root")
         source = LUCiDDataset(data_root=root, split=spec["pimm_split"], modalities=("sensor",),
                               dataset_name=self.dataset_name, include_labels=False)
         if source.sensor_reader.pmt_positions is None:
