@@ -213,3 +213,21 @@ def test_shipped_config_resumes_mid_epoch_bit_identically(tmp_path, production, 
     want, got = final_weights(reference), final_weights(crashed)
     assert all(torch.equal(want["state_dict"][k], got["state_dict"][k]) for k in want["state_dict"])
     assert train_losses(reference) == train_losses(crashed)
+
+
+def test_pmt_grid_classifier_puts_each_hit_on_its_pmt_of_its_event():
+    from pimm.models.pmt_grid import PMTGridClassifier
+
+    model = PMTGridClassifier(grid=(4, 8), width=4, depth=1)
+    batch = dict(sensor_idx=torch.tensor([0, 9, 31, 5]), energy=torch.tensor([[1.0], [3.0], [7.0], [2.0]]),
+                 time=torch.tensor([[20.0], [40.0], [0.0], [-20.0]]), offset=torch.tensor([3, 4]),
+                 event_label=torch.tensor([0, 1]))
+    img = model.image(batch)
+    assert img.shape == (2, 2, 4, 8)
+    assert img[0, 0, 1, 1] == torch.log1p(torch.tensor(3.0)) and img[0, 1, 1, 1] == 2.0  # sensor 9 = row 1, col 1
+    assert img[0, 0, 3, 7] == torch.log1p(torch.tensor(7.0)) and img[1, 1, 0, 5] == -1.0
+    assert int((img[:, 0] != 0).sum()) == 4
+    out = model(batch)
+    assert out["cls_logits"].shape == (2, 2) and out["loss"].requires_grad
+    with pytest.raises(UserError, match="set model.grid"):
+        model.image(dict(batch, sensor_idx=torch.tensor([0, 9, 32, 5])))
