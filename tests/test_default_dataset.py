@@ -57,6 +57,11 @@ def test_reads_every_asset_with_upstreams_types_and_fills_missing_labels(root):
     listed = DefaultDataset(split="val.json", data_root=str(root))
     assert [listed.get_data_name(i) for i in range(2)] == ["a_scene", "v0"]
 
+    class CoordOnly(DefaultDataset):  # upstream's subclasses narrow or widen the assets this way
+        VALID_ASSETS = ("coord", "segment")
+
+    assert set(CoordOnly(split="train", data_root=str(root))[0]) == {"coord", "segment", "instance", "name", "split"}
+
 
 def test_transform_is_applied_and_the_point_collate_batches_scenes(root):
     ds = DefaultDataset(split="train", data_root=str(root), transform=[

@@ -85,6 +85,8 @@ class DefaultDataset(Dataset):
                    ignore_index=Int(-1, MAX_SIZE), loop=PosInt)
 
     collate_fn = staticmethod(collate_fn)
+    #: The assets read; a subclass lists its own, as upstream's data sets do.
+    VALID_ASSETS = VALID_ASSETS
 
     def __init__(self, split: str | Sequence[str] = "train", data_root: str = "data/dataset",
                  transform: Sequence[Any] | None = None, test_mode: bool = False, test_cfg: Any = None,
@@ -161,7 +163,7 @@ class DefaultDataset(Dataset):
         """Read scene ``idx`` (modulo the number of scenes) into a dict of arrays."""
         path = self.data_list[idx % len(self.data_list)]
         data: dict[str, Any] = {}
-        for asset in VALID_ASSETS:
+        for asset in self.VALID_ASSETS:
             file = os.path.join(path, asset + ".npy")
             if os.path.isfile(file):
                 try:
