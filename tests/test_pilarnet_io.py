@@ -209,7 +209,7 @@ def test_data_root_from_environment_and_unsupported_options(split_dir, monkeypat
         PILArNetH5Dataset(data_root=None, revision="v2")
     with pytest.raises(ConfigError, match="give data_root, or a revision"):
         PILArNetH5Dataset(data_root=None)
-    for option in (dict(test_mode=True), dict(overlay_n_events=2), dict(loop=0), dict(min_points=-1),
+    for option in (dict(test_mode=True), dict(overlay_n_events=0), dict(loop=0), dict(min_points=-1),
                    dict(split=["train", "dev"])):
         with pytest.raises(UserError):
             PILArNetH5Dataset(split_dir, **option)

@@ -55,6 +55,13 @@ def _export_pilarnet():
     module.parse_args([])
 
 
+def _make_lucid():
+    spec = importlib.util.spec_from_file_location("_make_lucid", ROOT / "tools" / "make_lucid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.parse_args([])
+
+
 def _convert_checkpoint():
     spec = importlib.util.spec_from_file_location("_convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
     module = importlib.util.module_from_spec(spec)
@@ -204,6 +211,7 @@ INTROS = {
                    "paths redacted, `README.md`) that `pimm.from_pretrained` loads anywhere "
                    "([Models that travel](pretrained.md)).",
     "export": "Export synthetic LArTPC events to PILArNet-M style HDF5 files ([Data](pilarnet.md)).",
+    "lucid": "Generate LUCiD-format water-Cherenkov shards from the ring simulator ([LUCiD](lucid.md)).",
 }
 
 
@@ -235,6 +243,7 @@ def render_cli_reference() -> str:
     lines += ["## `pimm torchrun`", "", TORCHRUN, ""]
     lines += _command("tools/convert_checkpoint.py", captured_parser(_convert_checkpoint), INTROS["convert"])
     lines += _command("tools/export_pilarnet.py", captured_parser(_export_pilarnet), INTROS["export"])
+    lines += _command("tools/make_lucid.py", captured_parser(_make_lucid), INTROS["lucid"])
     lines += ["## Runtime keys", "",
               "`--options KEY=VALUE` sets any config key ([Configs](config.md#command-line-overrides---options)); "
               "these are the runtime keys every config has, with their defaults:", ""]

@@ -36,6 +36,7 @@ import numpy as np
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
 
+from .overlay import EventOverlay
 from .point_dataset import SPLITS, PointDataset
 from pimm.utils.domains import (
     Choice, Count, DictOf, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
@@ -147,9 +148,12 @@ class PILArNetH5Dataset(PointDataset):
             low-energy deposits) and its points.
         old_pid_mapping: particle type -1 becomes 6 instead of 5 (v2 / v3).
         ignore_index: recorded for configs that read it; labels are not changed.
-        test_mode, test_cfg, overlay_n_events, overlay_prob, overlay_allow_repeats: upstream's
-            test fragments and event overlay are not supported; any value other
-            than the default is a ``ConfigError``.
+        overlay_n_events, overlay_prob, overlay_allow_repeats: upstream's event
+            overlay (:mod:`pimm.datasets.overlay`): with probability ``overlay_prob``
+            an event is composited with ``overlay_n_events - 1`` others (a count, or
+            an inclusive ``(low, high)`` range), drawn with or without repeats.
+        test_mode, test_cfg: upstream's test fragments are not supported; any
+            value other than the default is a ``ConfigError``.
 
     Items (numpy): ``coord`` (N,3) float32 voxel coordinates, ``energy``
     (N,1) float32 (voxel value); int64 (N,) labels ``segment`` = ``segment_motif``
@@ -184,9 +188,7 @@ class PILArNetH5Dataset(PointDataset):
         if test_mode or test_cfg is not None:
             raise ConfigError("test_mode/test_cfg (upstream's fragment testing) is not "
                               "supported; evaluate with an evaluator hook on data.test")
-        if overlay_n_events not in (1, (1, 1), [1, 1]):
-            raise ConfigError(f"overlay_n_events={overlay_n_events!r} (event overlay) is not "
-                              "supported; leave it at 1")
+        self.overlay = EventOverlay(overlay_n_events, overlay_prob, overlay_allow_repeats)
         if revision is not None and revision not in REVISIONS:
             raise ConfigError(f"revision={revision!r} is not one of {', '.join(REVISIONS)} "
                               "(or None to take each file's layout)")
@@ -258,6 +260,16 @@ class PILArNetH5Dataset(PointDataset):
 
     def __len__(self) -> int:
         return len(self.index) * self.loop
+
+    def __getitem__(self, idx: int) -> dict:
+        if not self.overlay.enabled:
+            return super().__getitem__(idx)
+        n = len(self)
+        if not -n <= int(idx) < n:
+            raise IndexError(f"event index {idx} out of range for a dataset of {n} events")
+        # Added events come from the distinct events (before loop), as upstream's.
+        data = self.overlay(self.get_data(int(idx) % n), self.get_data, len(self.index))
+        return self.transform(data) if self.transform is not None else data
 
     def get_data(self, idx: int) -> dict:
         file_id, event = (int(v) for v in self.index[idx % len(self.index)])
