@@ -4,6 +4,5 @@ from pimm.engines.registries import MODELS
 
 from . import (grpo, instance, instance_affinity, losses, pmt_grid, polarmae, ptv3, ring_cnn,  # noqa: F401
                ring_gan, segmentor_v2, segmentors, sonata, sparse_unet)  # (register)
-               segmentor_v2, segmentors, sonata, sparse_unet)  # (register)
 
 __all__ = ["MODELS"]
