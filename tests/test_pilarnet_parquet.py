@@ -278,3 +278,21 @@ def test_training_on_a_stream_with_workers_resumes_mid_epoch_bit_identically(tmp
     ref, got = final_weights(tmp_path / "ref")["state_dict"], final_weights(tmp_path / "run")["state_dict"]
     assert [k for k in ref if not torch.equal(ref[k], got[k])] == []
     assert train_losses(tmp_path / "run") == train_losses(tmp_path / "ref")
+
+
+def test_event_overlay_on_parquet_is_the_h5_readers(root):
+    """The same overlay options give the same composite events from either
+    format (the draws come from python's random, seeded alike)."""
+    import random
+
+    options = dict(min_points=0, overlay_n_events=3, overlay_prob=1.0)
+    parquet = build(data_root=str(root), **options)
+    h5 = DATASETS.build(dict(type="PILArNetH5Dataset", data_root=str(root / "h5"), split="train", **options))
+    for i in (0, 7):
+        random.seed(i)
+        a = parquet[i]
+        random.seed(i)
+        b = h5[i]
+        assert len(a["coord"]) > len(build(data_root=str(root))[i]["coord"])
+        for key in LABELS:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)

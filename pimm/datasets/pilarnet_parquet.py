@@ -47,6 +47,7 @@ from pimm.utils.rng import derive_seed, seed_cpu_streams
 
 from .pilarnet import POINT_COLUMNS, REVISIONS, _event_rows, decode_event
 from .collate import collate_fn as point_collate_fn
+from .overlay import EventOverlay
 from .point_dataset import PointDataset
 
 __all__ = ["PILArNetParquetDataset", "PILArNetParquetIterableDataset", "write_pilarnet_parquet",
@@ -223,8 +224,9 @@ class PILArNetParquetDataset(PointDataset):
         remove_low_energy_scatters, old_pid_mapping: as in
         :class:`~pimm.datasets.pilarnet.PILArNetH5Dataset`.
         test_mode, test_cfg: refused, as upstream.
-        overlay_n_events, overlay_prob, overlay_allow_repeats: event overlay;
-            only the default (no overlay) is supported on this reader.
+        overlay_n_events, overlay_prob, overlay_allow_repeats: upstream's event
+            overlay, as on :class:`~pimm.datasets.pilarnet.PILArNetH5Dataset`
+            (:mod:`pimm.datasets.overlay`).
 
     Items are those of the HDF5 reader; ``name`` is the row's ``event_id``, or
     ``"<split>_<row>"`` when the file has none.
@@ -241,9 +243,7 @@ class PILArNetParquetDataset(PointDataset):
                  overlay_prob: float = 1.0, overlay_allow_repeats: bool = True):
         super().__init__(split="val" if split == "validation" else split, transform=transform)
         _refuse_test_mode(type(self).__name__, test_mode, test_cfg)
-        if overlay_n_events not in (1, (1, 1), [1, 1]):
-            raise ConfigError(f"overlay_n_events={overlay_n_events!r}: event overlay is not supported on the parquet "
-                              "reader; use PILArNetH5Dataset or leave it at 1")
+        self.overlay = EventOverlay(overlay_n_events, overlay_prob, overlay_allow_repeats)
         self.revision, self.loop, self.ignore_index = revision, loop, ignore_index
         self.files = resolve_parquet_files(split, data_root, repo_id=repo_id, parquet_revision=parquet_revision,
                                            config_name=config_name, revision=revision)
@@ -260,6 +260,15 @@ class PILArNetParquetDataset(PointDataset):
 
     def __len__(self) -> int:
         return len(self.index) * self.loop
+
+    def __getitem__(self, idx: int) -> dict:
+        if not self.overlay.enabled:
+            return super().__getitem__(idx)
+        n = len(self)
+        if not -n <= int(idx) < n:
+            raise IndexError(f"event index {idx} out of range for a dataset of {n} events")
+        data = self.overlay(self.get_data(int(idx) % n), self.get_data, len(self.index))
+        return self.transform(data) if self.transform is not None else data
 
     def get_data(self, idx: int) -> dict:
         file_id, row = (int(v) for v in self.index[idx % len(self.index)])
