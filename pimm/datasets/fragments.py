@@ -37,14 +37,14 @@ call, default 1). Any other key is a one-line ``ConfigError`` naming it.
 Using it in a data set class (``PointDataset`` does this for every pimm point
 data set)::
 
-    from pimm.datasets.fragments import TEST_CFG, build_test_item, test_fragments_from
+    from pimm.datasets.fragments import TEST_CFG, build_test_item, fragments_for_test_mode
 
     class MyDataset(Dataset):
         domains = dict(test_cfg=TEST_CFG, ...)
 
         def __init__(self, ..., transform=None, test_mode=False, test_cfg=None):
             self.transform = Compose(transform) if transform else None
-            self.test_fragments = test_fragments_from(test_mode, test_cfg, type(self).__name__)
+            self.test_fragments = fragments_for_test_mode(test_mode, test_cfg, type(self).__name__)
 
         def __getitem__(self, idx):
             data = self.get_data(idx)
@@ -71,7 +71,7 @@ from pimm.utils.errors import ConfigError
 
 from .point_dict import point_keys
 
-__all__ = ["TEST_CFG", "TEST_CFG_KEYS", "TestFragments", "test_fragments_from", "build_test_item",
+__all__ = ["TEST_CFG", "TEST_CFG_KEYS", "TestFragments", "fragments_for_test_mode", "build_test_item",
            "is_test_item"]
 
 # Bookkeeping rows carried through transforms as ordinary per-point entries
@@ -180,7 +180,7 @@ class TestFragments:
         return piece
 
 
-def test_fragments_from(test_mode: bool, test_cfg: Any, owner: str) -> TestFragments | None:
+def fragments_for_test_mode(test_mode: bool, test_cfg: Any, owner: str) -> TestFragments | None:
     """What a data set's ``test_mode`` / ``test_cfg`` arguments mean: None (items
     are plain transformed events) unless ``test_mode``, which needs ``test_cfg``.
     A ``test_cfg`` without ``test_mode`` is ignored, as upstream does."""

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from pimm.utils.errors import UserError
 
 from .collate import collate_fn
-from .fragments import TEST_CFG, build_test_item, test_fragments_from
+from .fragments import TEST_CFG, build_test_item, fragments_for_test_mode
 
 __all__ = ["PointDataset", "SPLITS", "SEGMENT_CLASSES"]
 
@@ -62,7 +62,7 @@ class PointDataset(Dataset):
 
             self.transform = Compose(transform)
         self.test_mode = test_mode
-        self.test_fragments = test_fragments_from(test_mode, test_cfg, type(self).__name__)
+        self.test_fragments = fragments_for_test_mode(test_mode, test_cfg, type(self).__name__)
 
     def __len__(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
