@@ -283,3 +283,22 @@ def test_pimm_test_run_dir_scores_every_point_and_keeps_a_record_per_evaluation(
         assert json.loads((record / "test_metrics.json").read_text())["metrics"]["SemSegEvaluator"] == metrics
         rows = {(r["evaluator"], r["metric"]): r["value"] for r in csv.DictReader(open(record / "test_metrics.csv"))}
         assert float(rows["SemSegEvaluator", "allAcc"]) == pytest.approx(5 / 7)
+
+
+def test_a_bad_test_cfg_in_a_config_is_one_error_line_naming_the_key(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "config.py").write_text(CONFIG.format(base=str(ROOT / "configs" / "_base_" / "default_runtime.py"),
+                                                 save_path=str(run), grid=TRAIN_GRID, pack=PACK))
+    torch.save({"state_dict": VotingOracle().state_dict()}, run / "model" / "model_best.pth")
+    for option, message in [
+        ("+data.test.test_cfg.voxelise=None", "error: data.test.test_cfg.voxelise is not a test_cfg key; test_cfg "
+                                              "takes voxelize, crop, post_transform, aug_transform, fragment_batch_size"),
+        ("data.test.test_cfg.post_transform=[dict(type='GridSample', grid_size=-1)]",
+         "error: data.test.test_cfg.post_transform.GridSample.grid_size=-1 is invalid: "),
+    ]:
+        capsys.readouterr()
+        assert launch_main([str(run), "--options", option], mode="test") == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(message), errors
+    assert not (run / "eval").exists() and not (run / "test_metrics.json").exists()
