@@ -302,3 +302,15 @@ def test_a_bad_test_cfg_in_a_config_is_one_error_line_naming_the_key(tmp_path, c
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and errors[0].startswith(message), errors
     assert not (run / "eval").exists() and not (run / "test_metrics.json").exists()
+
+
+def test_a_model_output_without_the_voted_key_is_an_error_naming_it():
+    class Silent(VotingOracle):
+        def forward(self, batch):
+            return {"other": batch["feat"]}
+
+    dataset = VotingPairs(split="test", test_mode=True, test_cfg=dict(post_transform=PACK))
+    with pytest.raises(KeyError, match="no 'seg_logits' to vote on .*keys: \\['other'\\]"):
+        evaluate(semseg(), dataset, Silent())
+    with pytest.raises(KeyError, match="no 'instance_pred' to vote on"):
+        evaluate(InsSegEvaluator(num_classes=4), dataset, Silent())

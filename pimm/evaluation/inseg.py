@@ -106,6 +106,8 @@ class InsSegEvaluator(FragmentVoting, EvaluatorBase):
         self.target_key, self.instance_key = target_key, instance_key
         self._ari_sum = self._ari_events = self._counts = self._class_counts = self._classed_events = None
 
+    logits_required = False  # the semantic logits are optional here
+
     def vote_keys(self) -> tuple[str | None, str | None]:
         return self.logits_key, self.pred_key
 

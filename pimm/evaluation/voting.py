@@ -104,10 +104,11 @@ def _logits(output: dict, key: str) -> torch.Tensor | None:
 
 @torch.no_grad()
 def vote_test_batch(batch: dict, model: torch.nn.Module, trainer, logits_key: str | None,
-                    instance_key: str | None = None) -> tuple[dict, dict]:
+                    instance_key: str | None = None, logits_required: bool = True) -> tuple[dict, dict]:
     """``(input, output)`` on the original points of every event of a test
     batch (see the module doc): ``output[logits_key]`` the voted class
-    probabilities, ``output[instance_key]`` the voted instance ids."""
+    probabilities, ``output[instance_key]`` the voted instance ids. A model
+    output without ``logits_key`` is a KeyError when ``logits_required``."""
     inputs, outputs, uncovered = [], [], 0
     for event in batch["test_events"]:
         rows = int(event["transformed_points"])
@@ -122,6 +123,9 @@ def vote_test_batch(batch: dict, model: torch.nn.Module, trainer, logits_key: st
                                   "(Collect(keys=(..., 'index')))")
             index = chunk["index"].reshape(-1).long()
             logits = _logits(out, logits_key) if logits_key else None
+            if logits is None and logits_key and logits_required:
+                raise KeyError(f"the model output has no {logits_key!r} to vote on (keys: {sorted(out)}); "
+                               "set the evaluator's logits_key")
             if logits is not None:
                 if logits.dim() != 2 or len(logits) != len(index):
                     raise ValueError(f"{logits_key!r} has shape {tuple(logits.shape)} for a fragment batch of "
@@ -132,7 +136,10 @@ def vote_test_batch(batch: dict, model: torch.nn.Module, trainer, logits_key: st
                 index = index.to(logits.device)
                 probs.index_add_(0, index, torch.softmax(logits.double(), dim=1))
                 count.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
-            if instances is not None and instance_key in out:
+            if instances is not None:
+                if instance_key not in out:
+                    raise KeyError(f"the model output has no {instance_key!r} to vote on (keys: {sorted(out)}); "
+                                   "set the evaluator's pred_key")
                 ends = chunk["offset"].reshape(-1).tolist()
                 ids, held = out[instance_key].reshape(-1).cpu().numpy(), index.cpu().numpy()
                 for start, end in zip([0] + ends[:-1], ends):  # each fragment votes on its own
@@ -174,7 +181,10 @@ def _join(parts: list[dict], trainer) -> dict:
 class FragmentVoting:
     """Evaluator mixin: batches of test items are voted (see the module doc)
     before ``process`` sees them. ``vote_keys()`` names the output keys:
-    ``(logits_key, instance_key)``, either may be None."""
+    ``(logits_key, instance_key)``, either may be None; ``logits_required``:
+    whether a model output without the logits is an error."""
+
+    logits_required = True
 
     def vote_keys(self) -> tuple[str | None, str | None]:
         return getattr(self, "logits_key", None), None
@@ -183,4 +193,4 @@ class FragmentVoting:
         if not is_test_batch(batch):
             return super().forward_batch(batch, model)
         logits_key, instance_key = self.vote_keys()
-        return vote_test_batch(batch, model, self.trainer, logits_key, instance_key)
+        return vote_test_batch(batch, model, self.trainer, logits_key, instance_key, self.logits_required)
