@@ -160,11 +160,13 @@ def vote_test_batch(batch: dict, model: torch.nn.Module, trainer, logits_key: st
     if uncovered:
         logger.warning(f"test voting: {uncovered} transformed points were in no fragment (test_cfg.crop?); "
                        "they are scored with uniform class probabilities")
-    return _join(inputs, trainer), _join(outputs, trainer)
+    joined = _join(inputs, trainer)
+    joined["offset"] = trainer.to_device(torch.cumsum(torch.tensor([len(e["coord"]) for e in inputs]), dim=0))
+    return joined, _join(outputs, trainer)
 
 
 def _join(parts: list[dict], trainer) -> dict:
-    """Concatenate per-event dicts of per-point tensors; add ``offset``."""
+    """Concatenate per-event dicts of per-point tensors."""
     out = {}
     for key in parts[0]:
         values = [p[key] for p in parts]
@@ -172,9 +174,6 @@ def _join(parts: list[dict], trainer) -> dict:
             out[key] = torch.cat([torch.as_tensor(v) for v in values])
         else:
             out[key] = values
-    sizes = [len(next(v for v in p.values() if isinstance(v, torch.Tensor))) for p in parts]
-    if "coord" in parts[0] or any(sizes):
-        out["offset"] = torch.cumsum(torch.tensor(sizes, dtype=torch.long), dim=0)
     return trainer.to_device(out)
 
 
