@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from pimm.engines.registries import TRANSFORMS
-from pimm.utils.domains import Domain, Int, Registered, Seq, Transforms, as_domain, show
+from pimm.utils.domains import Domain, Int, Registered, Seq, Transforms, show
 from pimm.utils.errors import ConfigError
 
 from .point_dict import point_keys
@@ -79,12 +79,11 @@ __all__ = ["TEST_CFG", "TEST_CFG_KEYS", "TestFragments", "fragments_for_test_mod
 _ORIGIN_ROW = "_test_origin_row"
 _EVENT_ROW = "_test_event_row"
 
-_TRANSFORM_LIST = as_domain(Transforms)
 #: What each ``test_cfg`` key takes.
 TEST_CFG_KEYS = {
     "voxelize": Registered("transform") | None,
     "crop": Registered("transform") | None,
-    "post_transform": _TRANSFORM_LIST,
+    "post_transform": Transforms,
     "aug_transform": Seq(Seq(Registered("transform"), what="a list of transform configs"), min_len=1,
                          what="a non-empty list of transform lists ([[]]: no augmentation)") | None,
     "fragment_batch_size": Int(1, 4096) | None,
