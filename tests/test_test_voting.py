@@ -314,3 +314,16 @@ def test_a_model_output_without_the_voted_key_is_an_error_naming_it():
         evaluate(semseg(), dataset, Silent())
     with pytest.raises(KeyError, match="no 'instance_pred' to vote on"):
         evaluate(InsSegEvaluator(num_classes=4), dataset, Silent())
+
+
+def test_a_test_transform_that_packs_the_event_is_refused_with_what_to_do():
+    packed = VotingPairs(split="test", transform=[TRAIN_GRID, *PACK[:1], dict(type="Collect", keys=("coord",),
+                                                                                 feat_keys=("segment",))],
+                         test_mode=True, test_cfg=dict(post_transform=PACK))
+    with pytest.raises(ConfigError, match=r"^the data set's transform packs the event \(Collect/ToTensor\?\); in "
+                                          r"test mode pack the fragments in test_cfg.post_transform instead$"):
+        packed[0]
+    narrowed = VotingPairs(split="test", transform=[dict(type="Update", keys_dict={"index_valid_keys": ["coord"]}),
+                                                   TRAIN_GRID], test_mode=True, test_cfg=dict(post_transform=PACK))
+    with pytest.raises(ConfigError, match="lost track of which points it kept"):
+        narrowed[0]

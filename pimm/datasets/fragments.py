@@ -237,7 +237,10 @@ def _count(event: dict) -> int | None:
 def _check_rows(event: Any, key: str, stage: str) -> None:
     if not isinstance(event, dict):
         raise ConfigError(f"{stage} returned {type(event).__name__}, not an event dict (or a list of them)")
-    if key not in event or len(event[key]) != len(event["coord"]):
+    if key not in event or "coord" not in event:
+        raise ConfigError(f"{stage} packs the event (Collect/ToTensor?); in test mode pack the fragments in "
+                          "test_cfg.post_transform instead")
+    if len(event[key]) != len(event["coord"]):
         raise ConfigError(f"{stage} lost track of which points it kept (an Update of index_valid_keys that "
                           "leaves out entries?); test mode needs every per-point entry kept aligned")
 
