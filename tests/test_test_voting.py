@@ -39,7 +39,8 @@ from pimm.datasets.pilarnet import PILArNetH5Dataset, write_pilarnet_h5  # noqa:
 from pimm.datasets.point_dataset import PointDataset  # noqa: E402
 from pimm.engines.eval_records import write_eval_record  # noqa: E402
 from pimm.engines.launch import main as launch_main  # noqa: E402
-from pimm.engines.registries import DATASETS, MODELS  # noqa: E402
+from pimm.datasets.point_dict import index_points  # noqa: E402
+from pimm.engines.registries import DATASETS, MODELS, TRANSFORMS  # noqa: E402
 from pimm.evaluation import InsSegEvaluator, SemSegEvaluator  # noqa: E402
 from pimm.evaluation.voting import InstanceVotes  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
@@ -89,6 +90,19 @@ class VotingOracle(torch.nn.Module):
         feat = batch["feat"]
         return dict(seg_logits=F.one_hot(feat[:, 0].long(), self.num_classes).float() * 5 * self.scale,
                     instance_pred=feat[:, 1].long())
+
+
+@TRANSFORMS.register_module(force=True)
+class KeepFirstPoints:
+    """A crop for these tests: keeps the first ``count`` points."""
+
+    domains = dict(count=int)
+
+    def __init__(self, count: int = 1):
+        self.count = count
+
+    def __call__(self, data):
+        return index_points(data, np.arange(min(self.count, len(data["coord"]))))
 
 
 def fake_trainer():
@@ -327,3 +341,14 @@ def test_a_test_transform_that_packs_the_event_is_refused_with_what_to_do():
                                                    TRAIN_GRID], test_mode=True, test_cfg=dict(post_transform=PACK))
     with pytest.raises(ConfigError, match="lost track of which points it kept"):
         narrowed[0]
+
+
+def test_points_no_fragment_holds_are_counted_and_scored_with_uniform_probabilities(caplog):
+    dataset = VotingPairs(split="test", test_mode=True, test_cfg=dict(
+        crop=dict(type="KeepFirstPoints", count=5), post_transform=PACK))
+    with caplog.at_level("WARNING", logger="pimm"):
+        metrics = evaluate(semseg(), dataset)
+    assert "test voting: 2 transformed points were in no fragment" in caplog.text
+    # Points 5 (class 0) and 6 (class 3) were cut: uniform probabilities argmax to class 0.
+    assert metrics["points"] == [2, 3, 1, 1] and metrics["allAcc"] == pytest.approx(6 / 7)
+    assert metrics["confusion"][3][0] == 1
