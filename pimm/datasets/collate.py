@@ -20,6 +20,12 @@ With ``mix_prob`` set, a trainer whose train collate is the plain
 :func:`collate_fn` (a point data set's default) uses :func:`point_collate_fn`
 in its place (its ``mixing`` attribute).
 
+Test items (a data set in ``test_mode``, :mod:`pimm.datasets.fragments`) are
+batched by each of them as ``{"test_events": [event, ...]}``: per event its
+fragments collated with that same function in groups of
+``fragment_batch_size`` (``fragments``), and its full-resolution entries
+(``origin_*``, ``inverse``) as tensors.
+
 Each carries :func:`split_point_batch` as its ``split_batch`` attribute: the
 splitter the trainer's OOM back-off (``train.oom_backoff``) uses to redo a
 batch that did not fit in memory in parts made of whole events.
@@ -49,7 +55,7 @@ import torch
 from pimm.engines.registries import COLLATE_FNS
 from pimm.utils.domains import Prob
 
-__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn", "split_point_batch"]
+__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn", "split_point_batch", "collate_test_items"]
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -86,11 +92,29 @@ def _offset_counts(value: Any) -> torch.Tensor:
     return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
+def collate_test_items(batch: Sequence[dict], collate) -> dict:
+    """A batch of test items (see the module doc); ``collate`` batches fragments."""
+    events = []
+    for item in batch:
+        fragments, size = item["fragment_list"], int(item.get("fragment_batch_size", 1))
+        event = {k: _as_tensor(v) if isinstance(v, np.ndarray) else v for k, v in item.items()
+                 if k not in ("fragment_list", "fragment_batch_size")}
+        event["fragments"] = [collate(fragments[i:i + size]) for i in range(0, len(fragments), size)]
+        events.append(event)
+    return {"test_events": events}
+
+
+def _is_test_batch(batch: Sequence) -> bool:
+    return bool(batch) and isinstance(batch[0], dict) and "fragment_list" in batch[0]
+
+
 @COLLATE_FNS.register_module()
 def collate_fn(batch: Sequence[dict]) -> dict:
     """Concatenate a list of events into one batch dict with ``offset``."""
     if not batch:
         raise ValueError("collate_fn got an empty batch")
+    if _is_test_batch(batch):
+        return collate_test_items(batch, collate_fn)
     if not isinstance(batch[0], dict):
         raise TypeError(f"collate_fn expects a list of dicts, got a list of {type(batch[0]).__name__}")
     keys = list(batch[0])
@@ -152,6 +176,8 @@ def point_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     upstream shifts by the max, which merges two instances) so a merged event
     never has two particles with one id. Per-event entries such as ``name``
     keep one element per original event."""
+    if _is_test_batch(batch):
+        return collate_test_items(batch, collate_fn)  # test fragments are never mixed
     out = collate_fn(batch)
     if mix_prob > 0 and np.random.rand() < mix_prob:
         out = _mix_pairs(out, shift_instances=True)
@@ -169,6 +195,10 @@ def inseg_collate_fn(batch: Sequence[dict], mix_prob: float = 0.0) -> dict:
     RNG) events are then mixed in pairs as by :func:`point_collate_fn`: the
     ids being unique in the batch, a merged event keeps every instance apart,
     and its ``num_instances`` is the pair's sum."""
+    if _is_test_batch(batch):
+        # Fragments without instance labels (a test Collect need not keep them) collate plainly.
+        return collate_test_items(batch, lambda parts: inseg_collate_fn(parts) if all(
+            "instance" in part for part in parts) else collate_fn(parts))
     shifted, num_instances, base = [], [], 0
     for sample in batch:
         if "instance" not in sample:

@@ -271,6 +271,9 @@ class LArTPCSynthDataset(PointDataset):
         detector_size: edge of the cubic detector in units.
         energy_threshold: drop voxels with less energy (MeV).
         in_memory: simulate all events once at construction (same values).
+        test_mode, test_cfg: upstream's test fragments: each item is then the
+            fragments of one event with its full-resolution points (see
+            :mod:`pimm.datasets.fragments`).
         **physics: overrides of ``DEFAULT_PHYSICS`` (e.g. ``muon_prob=1.0``).
 
     Each item is a dict: ``coord`` (N,3) float32 (voxel index * voxel_size,
@@ -290,8 +293,8 @@ class LArTPCSynthDataset(PointDataset):
                  transform: Sequence[Any] | None = None, voxel_size: float = 1.0,
                  points_per_event: int | Sequence[int] = (1000, 2500), max_interactions: int = 32,
                  detector_size: float = 768.0, energy_threshold: float = 0.0, in_memory: bool = False,
-                 **physics: Any):
-        super().__init__(split=split, transform=transform)
+                 test_mode: bool = False, test_cfg: dict | None = None, **physics: Any):
+        super().__init__(split=split, transform=transform, test_mode=test_mode, test_cfg=test_cfg)
         unknown = sorted(set(physics) - set(DEFAULT_PHYSICS))
         if unknown:
             raise UserError(f"unknown LArTPCSynthDataset option(s) {unknown}; "

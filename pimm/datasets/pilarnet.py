@@ -39,7 +39,7 @@ from pimm.utils.errors import ConfigError, UserError
 from .overlay import EventOverlay
 from .point_dataset import SPLITS, PointDataset
 from pimm.utils.domains import (
-    Choice, Count, DictOf, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
+    Choice, Count, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
 )
 
 __all__ = ["PILArNetH5Dataset", "write_pilarnet_h5", "POINT_COLUMNS", "CLUSTER_COLUMNS", "REVISIONS"]
@@ -141,19 +141,20 @@ class PILArNetH5Dataset(PointDataset):
         min_points: skip events with fewer points (upstream's default 1024;
             counted from the ``<file>_points.npy`` index when present).
         max_len: keep at most this many events (``-1`` or ``0``: all), before ``loop``.
-        loop: repeat the events this many times per epoch.
+        loop: repeat the events this many times per epoch (1 in test mode).
         energy_threshold: when positive, keep only points whose voxel value
             is above it (MeV).
         remove_low_energy_scatters: drop each event's first cluster (the
             low-energy deposits) and its points.
         old_pid_mapping: particle type -1 becomes 6 instead of 5 (v2 / v3).
         ignore_index: recorded for configs that read it; labels are not changed.
+        test_mode, test_cfg: upstream's test fragments: each item is then the
+            fragments of one event with its full-resolution points (see
+            :mod:`pimm.datasets.fragments`).
         overlay_n_events, overlay_prob, overlay_allow_repeats: upstream's event
             overlay (:mod:`pimm.datasets.overlay`): with probability ``overlay_prob``
             an event is composited with ``overlay_n_events - 1`` others (a count, or
             an inclusive ``(low, high)`` range), drawn with or without repeats.
-        test_mode, test_cfg: upstream's test fragments are not supported; any
-            value other than the default is a ``ConfigError``.
 
     Items (numpy): ``coord`` (N,3) float32 voxel coordinates, ``energy``
     (N,1) float32 (voxel value); int64 (N,) labels ``segment`` = ``segment_motif``
@@ -166,7 +167,7 @@ class PILArNetH5Dataset(PointDataset):
     ``split`` and ``revision`` strings.
     """
 
-    domains = dict(data_root=FilePath | None, split=Key | Keys, transform=Transforms, test_cfg=DictOf() | None,
+    domains = dict(data_root=FilePath | None, split=Key | Keys, transform=Transforms,
                    loop=PosInt, ignore_index=Int(-1, MAX_SIZE), energy_threshold=NonNeg, min_points=Count,
                    max_len=Int(-1) | None, revision=Choice(*REVISIONS) | None,
                    overlay_n_events=PosInt | Seq(PosInt, length=2), overlay_prob=Prob)
@@ -182,12 +183,9 @@ class PILArNetH5Dataset(PointDataset):
             raise ConfigError(f"split must be a split name or a list of them, got {split!r}")
         if any(name not in SPLITS for name in splits):
             raise UserError(f"split={split!r} is not supported; use one of {', '.join(SPLITS)} (or a list of them)")
-        super().__init__(split=splits[0], transform=transform)
+        super().__init__(split=splits[0], transform=transform, test_mode=test_mode, test_cfg=test_cfg)
         if len(splits) > 1:
             self.split = "custom"  # upstream's name for a multi-split set
-        if test_mode or test_cfg is not None:
-            raise ConfigError("test_mode/test_cfg (upstream's fragment testing) is not "
-                              "supported; evaluate with an evaluator hook on data.test")
         self.overlay = EventOverlay(overlay_n_events, overlay_prob, overlay_allow_repeats)
         if revision is not None and revision not in REVISIONS:
             raise ConfigError(f"revision={revision!r} is not one of {', '.join(REVISIONS)} "
@@ -195,7 +193,8 @@ class PILArNetH5Dataset(PointDataset):
         for name, value, low in (("loop", loop, 1), ("min_points", min_points, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
-        self.revision, self.loop, self.ignore_index = revision, loop, ignore_index
+        self.revision, self.ignore_index = revision, ignore_index
+        self.loop = 1 if test_mode else loop  # each test event is scored once (upstream too)
         self.energy_threshold = float(energy_threshold)
         self.remove_low_energy_scatters, self.old_pid_mapping = bool(remove_low_energy_scatters), bool(old_pid_mapping)
         self.files = _resolve_files(_default_root(revision) if data_root is None else data_root, splits)

@@ -82,6 +82,7 @@ class StraightTracksDataset(PointDataset):
         dedx_spread: relative Gaussian spread of every track hit's deposit.
         noise_dedx: (min, max) deposit of noise hits.
         transform: optional transform pipeline (see ``PointDataset``).
+        test_mode, test_cfg: test fragments (see ``PointDataset``).
     """
 
     domains = dict(num_events=PosInt, seed=Count, split=Choice("train", "val", "test"), num_tracks=Pair(Int(1, 64)),
@@ -95,8 +96,9 @@ class StraightTracksDataset(PointDataset):
                  noise_hits: Sequence[int] = (10, 10), angle_noise: float = 0.02,
                  muon_length: Sequence[float] = (0.6, 1.0), proton_length: Sequence[float] = (0.25, 0.5),
                  muon_dedx: float = 2.1, proton_dedx: float = 5.0, bragg_rise: float = 1.5,
-                 dedx_spread: float = 0.15, noise_dedx: Sequence[float] = (0.5, 6.0), transform: Any = None):
-        super().__init__(split=split, transform=transform)
+                 dedx_spread: float = 0.15, noise_dedx: Sequence[float] = (0.5, 6.0), transform: Any = None,
+                 test_mode: bool = False, test_cfg: dict | None = None):
+        super().__init__(split=split, transform=transform, test_mode=test_mode, test_cfg=test_cfg)
         self.num_events = _count("num_events", num_events, 1)
         self.seed = _count("seed", seed, 0)
         self.split_code = SPLITS.index(split)

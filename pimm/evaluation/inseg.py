@@ -30,6 +30,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
 from pimm.evaluation.metrics import adjusted_rand_index, match_instances, match_instances_per_class
 from pimm.evaluation.semseg import format_score, resolve_class_names
+from pimm.evaluation.voting import FragmentVoting
 from pimm.utils.errors import ConfigError
 from pimm.utils.domains import MAX_SIZE, Count, Int, Key, Names, Prob
 
@@ -61,7 +62,7 @@ def event_ids(offset: torch.Tensor, num_points: int) -> tuple[torch.Tensor, list
 
 
 @HOOKS.register_module()
-class InsSegEvaluator(EvaluatorBase):
+class InsSegEvaluator(FragmentVoting, EvaluatorBase):
     """Instance segmentation of point clouds.
 
     Reads ``output[pred_key]`` (N,) predicted instance ids (-1 = unassigned),
@@ -77,6 +78,10 @@ class InsSegEvaluator(EvaluatorBase):
     ``precision_<name>``, ``recall_<name>`` per class (nan where undefined) and
     their mean ``mF1``; plus ``counts`` / ``class_counts`` (tp, fp, fn; not
     logged as scalars). The best checkpoint follows ``ARI``.
+
+    On a ``test_mode`` data set (test fragments) the fragments' instances and
+    class probabilities are voted and scored on every original point
+    (:mod:`pimm.evaluation.voting`).
     """
 
     metric_name = "ARI"
@@ -100,6 +105,11 @@ class InsSegEvaluator(EvaluatorBase):
         self.pred_key, self.logits_key = pred_key, logits_key
         self.target_key, self.instance_key = target_key, instance_key
         self._ari_sum = self._ari_events = self._counts = self._class_counts = self._classed_events = None
+
+    logits_required = False  # the semantic logits are optional here
+
+    def vote_keys(self) -> tuple[str | None, str | None]:
+        return self.logits_key, self.pred_key
 
     def reset(self) -> None:
         device = self.trainer.device

@@ -23,6 +23,7 @@ from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
 from pimm.evaluation.common import ClassesFromData, check_classes, resolve_class_names
 from pimm.evaluation.metrics import confusion_matrix, segmentation_scores
+from pimm.evaluation.voting import FragmentVoting
 from pimm.utils.errors import ConfigError
 from pimm.utils.domains import MAX_SIZE, Count, Int, Key, Names, Seq
 
@@ -55,7 +56,7 @@ def _precision_f1(conf: torch.Tensor) -> tuple[list[float], list[float]]:
 
 
 @HOOKS.register_module()
-class SemSegEvaluator(ClassesFromData, EvaluatorBase):
+class SemSegEvaluator(FragmentVoting, ClassesFromData, EvaluatorBase):
     """Semantic segmentation of point clouds.
 
     Reads ``output[logits_key]`` (N, K) -- ``sem_logits`` is accepted when the
@@ -83,6 +84,10 @@ class SemSegEvaluator(ClassesFromData, EvaluatorBase):
     absent from the target, precision for one never predicted; means skip
     nan), plus ``points`` (per-class target counts) and ``confusion``. The
     best checkpoint follows ``mIoU``.
+
+    On a ``test_mode`` data set (test fragments) the fragments' class
+    probabilities are voted and scored on every original point
+    (:mod:`pimm.evaluation.voting`).
     """
 
     metric_name = "mIoU"

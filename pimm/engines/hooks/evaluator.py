@@ -16,7 +16,9 @@ A concrete evaluator implements four methods::
     compute(totals) -> {name: value}  metrics from the summed accumulators;
                                     int/float values are logged as val/<name>
 
-and may override ``report(metrics) -> str`` for a per-class table and
+and may override ``report(metrics) -> str`` for a per-class table,
+``forward_batch(batch, model) -> (batch, output)`` for batches that are not
+one model call (test-time voting, :mod:`pimm.evaluation.voting`) and
 ``display(input_dict, output_dict, limit) -> [image, ...]`` for event
 displays: pictures of up to ``limit`` events of a batch, (H, W, 3) uint8,
 true vs predicted. ``log_images=N`` logs the first N validation events (the
@@ -137,6 +139,15 @@ class EvaluatorBase(HookBase):
         trainer.validate([self])
 
     # -- running --------------------------------------------------------
+    def forward_batch(self, batch, model: torch.nn.Module) -> tuple:
+        """``(batch, output)`` for one loader batch: the batch on the trainer's
+        device and the model's output on it. An evaluator whose batches are not
+        one model call (test-time fragments and voting) overrides this and
+        returns the batch it scores with the output it scores."""
+        batch = self.trainer.to_device(batch)
+        with self.trainer.autocast():
+            return batch, model(batch)
+
     @torch.no_grad()
     def evaluate(self, loader, model: torch.nn.Module, images: int = 0) -> dict:
         """Metrics of ``model`` over ``loader``, reduced over ranks (a collective),
@@ -154,9 +165,7 @@ class EvaluatorBase(HookBase):
             self.reset()
             try:
                 for batch in loader:
-                    batch = trainer.to_device(batch)
-                    with trainer.autocast():
-                        output = model(batch)
+                    batch, output = self.forward_batch(batch, model)
                     loss = output.get("loss") if isinstance(output, dict) else None
                     if isinstance(loss, torch.Tensor):
                         loss_sum += loss.detach().double()

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from pimm.engines.eval_records import write_eval_record
 from pimm.engines.hooks.base import EvalRun
 from pimm.engines.registries import TESTERS
 from pimm.engines.state import load_weights
@@ -49,7 +50,9 @@ class TestScoring:
     def test(self, weight=None) -> dict:
         """Score ``weight`` (a model file; None: the weights the model holds now) on
         the test split; the weights must fit the model exactly. Writes
-        ``save_path/test_metrics.json`` (an earlier one is kept aside)."""
+        ``save_path/test_metrics.json`` (an earlier one is kept aside) and a
+        record of this evaluation, ``save_path/eval/<UTC time>/test_metrics.json``
+        and ``.csv`` (:mod:`pimm.engines.eval_records`)."""
         with host_sync("evaluation"):  # evaluators read their results on the host
             return self._test(weight)
 
@@ -72,10 +75,11 @@ class TestScoring:
             set_aside(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             label = str(weight) if weight is not None else f"the weights at step {self.global_step}"
+            payload = _json_finite({"weight": label, "metrics": results})
             # allow_nan=False: a NaN metric (an empty class) is null, never a bare NaN (invalid JSON).
-            path.write_text(json.dumps(_json_finite({"weight": label, "metrics": results}), indent=1,
-                                       allow_nan=False))
-            self.logger.info(f"Wrote {path}")
+            path.write_text(json.dumps(payload, indent=1, allow_nan=False))
+            record = write_eval_record(self.save_path, payload, results)
+            self.logger.info(f"Wrote {path} and {record}/test_metrics.json, .csv")
         return results
 
 
