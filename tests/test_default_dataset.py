@@ -92,8 +92,6 @@ def test_bad_layouts_are_one_line_naming_the_path(root):
     assert "bad.json lists 1 scene folder(s) that do not exist" in message(split="bad.json")
     with pytest.raises(UserError, match="is not a folder"):
         DefaultDataset(data_root=str(root / "missing"))
-    with pytest.raises(ConfigError, match="test_mode=True .* is not available yet"):
-        DefaultDataset(data_root=str(root), test_mode=True)
     with pytest.raises(ConfigError, match="cache=True"):
         DefaultDataset(data_root=str(root), cache=True)
 
@@ -156,3 +154,20 @@ def test_concat_of_default_datasets_resumes_mid_epoch_bit_identically(tmp_path, 
     want, got = final_weights(reference), final_weights(crashed)
     assert all(torch.equal(want["state_dict"][k], got["state_dict"][k]) for k in want["state_dict"])
     assert train_losses(reference) == train_losses(crashed)
+
+
+def test_test_mode_gives_fragments_scored_on_every_point(root):
+    """upstream's test_mode/test_cfg: each item is one scene's fragments plus its
+    full-resolution points (pimm.datasets.fragments)."""
+    grid = dict(type="GridSample", grid_size=0.5, hash_type="ravel", mode="test")
+    pack = [dict(type="ToTensor"), dict(type="Collect", keys=("coord", "index"), feat_keys=("coord",))]
+    ds = DefaultDataset(data_root=str(root), split="train", test_mode=True, loop=3,
+                        test_cfg=dict(voxelize=grid, post_transform=pack))
+    assert len(ds) == len(DefaultDataset(data_root=str(root), split="train"))  # loop is 1 in test mode
+    item = ds[0]
+    plain = DefaultDataset(data_root=str(root), split="train")[0]
+    assert item["fragment_list"] and len(item["origin_coord"]) == len(plain["coord"])
+    covered = np.concatenate([np.asarray(f["index"]) for f in item["fragment_list"]])
+    assert sorted(set(covered.tolist())) == list(range(len(plain["coord"])))  # every point in some fragment
+    with pytest.raises(ConfigError, match="voxelise"):
+        DefaultDataset(data_root=str(root), test_mode=True, test_cfg=dict(voxelise=grid))

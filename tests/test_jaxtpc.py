@@ -124,8 +124,16 @@ def test_bad_productions_are_one_line_errors(tmp_path, events):
         build(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="min_deposits counts 3D deposits"):
         build(tmp_path, modalities=("resp",), min_deposits=10)
-    with pytest.raises(ConfigError, match="test_mode"):
-        build(tmp_path, test_mode=True)
+
+
+def test_test_mode_scores_every_deposit(root, events):
+    grid = dict(type="GridSample", grid_size=30.0, hash_type="ravel", mode="test")
+    pack = [dict(type="ToTensor"), dict(type="Collect", keys=("coord", "index"), feat_keys=("energy",))]
+    ds = build(root, modalities=("seg", "labl"), loop=2, test_mode=True,
+               test_cfg=dict(voxelize=grid, post_transform=pack))
+    assert len(ds) == 5
+    item = ds[1]
+    assert len(item["origin_segment"]) == len(events[1]["coord"]) and len(item["fragment_list"]) > 1
 
 
 def test_items_train_through_the_point_pipeline(root):

@@ -36,10 +36,11 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from pimm.engines.registries import DATASETS
-from pimm.utils.domains import MAX_SIZE, DictOf, FilePath, Int, Key, Keys, PosInt, Transforms
+from pimm.utils.domains import MAX_SIZE, FilePath, Int, Key, Keys, PosInt, Transforms
 from pimm.utils.errors import ConfigError, UserError
 
 from .collate import collate_fn
+from .fragments import TEST_CFG, build_test_item, fragments_for_test_mode
 
 __all__ = ["DefaultDataset", "VALID_ASSETS", "refuse_test_mode"]
 
@@ -52,11 +53,11 @@ _LABEL_ASSETS = ("segment", "instance")
 
 
 def refuse_test_mode(owner: str, test_mode: bool, test_cfg: Any) -> None:
-    """Upstream's fragment testing (``test_mode``/``test_cfg``) is built elsewhere; until
-    it is merged, asking for it is one clear line rather than a silently different test."""
+    """Data sets whose items are not point clouds (LUCiD's sensor responses)
+    have no test-time fragments: asking for them is one clear line."""
     if test_mode:
-        raise ConfigError(f"{owner}: test_mode=True (upstream's test-time fragments) is not available yet; "
-                          "leave test_mode=False and evaluate with an evaluator hook on data.test")
+        raise ConfigError(f"{owner}: test_mode=True (test-time fragments of a point cloud) is not supported for "
+                          "this data set; leave test_mode=False and evaluate with an evaluator hook on data.test")
 
 
 @DATASETS.register_module()
@@ -68,8 +69,8 @@ class DefaultDataset(Dataset):
             ``data_root``, or a JSON file there listing scene folders).
         data_root: the folder holding the splits.
         transform: list of transform configs applied to each scene.
-        test_mode, test_cfg: upstream's test-time fragments (not available yet:
-            ``test_mode=True`` is refused in one line).
+        test_mode, test_cfg: upstream's test-time fragments, scored on every
+            original point (:mod:`pimm.datasets.fragments`); ``loop`` is 1 then.
         cache: upstream reads scenes from a shared-memory cache filled by another
             tool; pimm has none, so ``True`` is refused.
         ignore_index: the label value of unlabelled points (recorded for configs
@@ -81,7 +82,7 @@ class DefaultDataset(Dataset):
     ``name`` (the scene folder's name) and ``split`` (its parent folder's name).
     """
 
-    domains = dict(split=Key | Keys, data_root=FilePath, transform=Transforms, test_cfg=DictOf() | None,
+    domains = dict(split=Key | Keys, data_root=FilePath, transform=Transforms, test_cfg=TEST_CFG,
                    ignore_index=Int(-1, MAX_SIZE), loop=PosInt)
 
     collate_fn = staticmethod(collate_fn)
@@ -92,19 +93,19 @@ class DefaultDataset(Dataset):
                  transform: Sequence[Any] | None = None, test_mode: bool = False, test_cfg: Any = None,
                  cache: bool = False, ignore_index: int = -1, loop: int = 1):
         super().__init__()
-        refuse_test_mode("DefaultDataset", test_mode, test_cfg)
         if cache:
             raise ConfigError("DefaultDataset: cache=True reads upstream's shared-memory scene cache, which pimm "
                               "does not have; leave cache=False (scenes are read from data_root)")
         if isinstance(loop, bool) or not isinstance(loop, int) or loop < 1:
             raise ConfigError(f"DefaultDataset: loop={loop!r} must be an integer >= 1")
         self.split, self.data_root = split, os.path.expanduser(str(data_root))
-        self.ignore_index, self.loop, self.test_mode = ignore_index, loop, False
+        self.ignore_index, self.loop, self.test_mode = ignore_index, 1 if test_mode else loop, bool(test_mode)
         self.transform = None
         if transform:
             from .transforms import Compose
 
             self.transform = Compose(transform)
+        self.test_fragments = fragments_for_test_mode(test_mode, test_cfg, type(self).__name__)
         self.data_list = self.get_data_list()
         logger.info("DefaultDataset: %d scenes x loop %d in %s (split %s)", len(self.data_list), loop,
                     self.data_root, split)
@@ -197,4 +198,6 @@ class DefaultDataset(Dataset):
         if not -n <= idx < n:
             raise IndexError(f"scene index {idx} out of range for a dataset of {n}")
         data = self.get_data(idx % n)
+        if self.test_fragments is not None:
+            return build_test_item(data, self.transform, self.test_fragments)
         return self.transform(data) if self.transform is not None else data

@@ -37,9 +37,10 @@ import h5py
 import numpy as np
 
 from pimm.engines.registries import DATASETS
-from pimm.utils.domains import Choice, Count, DictOf, FilePath, Int, Key, Keys, PosInt, Seq, Text, Transforms
+from pimm.utils.domains import Choice, Count, FilePath, Int, Key, Keys, PosInt, Seq, Text, Transforms
 from pimm.utils.errors import ConfigError, UserError
 
+from .fragments import TEST_CFG
 from .point_dataset import PointDataset
 
 __all__ = ["JAXTPCDataset", "MODALITIES", "shard_files"]
@@ -250,24 +251,22 @@ class JAXTPCDataset(PointDataset):
         include_physics: also read ``dx``, ``theta``, ``phi``, ``t0_us``,
             ``charge``, ``photons``, ``qs_fractions`` when present.
         label_keys: the ``labl`` columns to read (``None``: all).
-        test_mode, test_cfg: upstream's test fragments; not supported here.
+        test_mode, test_cfg: upstream's test fragments, scored on every
+            deposit (:mod:`pimm.datasets.fragments`); ``loop`` is 1 then.
     """
 
     domains = dict(data_root=FilePath, split=Text("a split folder name", empty=True), transform=Transforms,
                    modalities=Seq(Choice(*MODALITIES), min_len=1, what="a non-empty list of seg/resp/corr/labl"),
                    dataset_name=Key, volume=Int(0, 1 << 16) | None, label_key=Key, min_deposits=Count,
-                   max_len=Int(-1) | None, loop=PosInt, label_keys=Keys | None, test_cfg=DictOf() | None)
+                   max_len=Int(-1) | None, loop=PosInt, label_keys=Keys | None, test_cfg=TEST_CFG)
 
     def __init__(self, data_root: str, split: str = "train", transform: Sequence[Any] | None = None,
                  modalities: Sequence[str] = ("seg",), dataset_name: str = "sim", volume: int | None = None,
                  label_key: str = "particle", min_deposits: int = 0, max_len: int | None = -1, loop: int = 1,
                  include_physics: bool = True, label_keys: Sequence[str] | None = None, test_mode: bool = False,
                  test_cfg: Any = None):
-        super().__init__(split="train", transform=transform)
+        super().__init__(split="train", transform=transform, test_mode=test_mode, test_cfg=test_cfg)
         self.split = split if isinstance(split, str) else "custom"
-        if test_mode or test_cfg is not None:
-            raise ConfigError("JAXTPCDataset: test_mode/test_cfg (upstream's fragment testing) is not supported; "
-                              "evaluate with an evaluator hook on data.test")
         self.modalities = tuple(dict.fromkeys(modalities))
         unknown = [m for m in self.modalities if m not in MODALITIES]
         if unknown:
@@ -277,7 +276,7 @@ class JAXTPCDataset(PointDataset):
         root = os.path.expanduser(str(data_root))
         if not os.path.isdir(root):
             raise UserError(f"JAXTPCDataset: data_root={data_root!r} is not a folder")
-        self.volume, self.label_key, self.loop = volume, label_key, loop
+        self.volume, self.label_key, self.loop = volume, label_key, 1 if test_mode else loop
         self.include_physics, self.label_keys = bool(include_physics), label_keys
         self.planes = None if volume is None else [f"volume_{volume}_{p}" for p in "UVY"]
         self.families = {kind: _Family(os.path.join(root, kind) if os.path.isdir(os.path.join(root, kind)) else root,

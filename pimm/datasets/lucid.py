@@ -65,8 +65,8 @@ class LUCiDDataset(Dataset):
         min_segments: keep events with at least this many track segments.
         max_len: keep at most this many events (-1 or 0: all), before ``loop``.
         loop: repeat the events this many times per epoch.
-        test_mode, test_cfg: upstream's test-time fragments (``test_mode=True`` is
-            refused until they are available).
+        test_mode, test_cfg: upstream's names; test-time fragments of a point
+            cloud do not apply to sensor responses, so ``test_mode=True`` is refused.
     """
 
     domains = dict(data_root=FilePath, split=Text(empty=True), transform=Transforms,
