@@ -76,11 +76,8 @@ _INSTEAD = {
     "SimulateCrash": "kill the process (e.g. tests/support/toy.py KillAtStep in pimm's own tests)",
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
     "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
-    "RuntimeProfiler": "structured_logging.enabled=True, then `pimm trace summarize RUN`",
-    "GarbageHandler": "empty_cache=True / empty_cache_per_epoch=True",
 }
-for _name in ("LogitEntropyLogger", "AttentionMaskAnnealingHook", "EventLinearProbeEvaluator", "MAEEvaluator",
-              "OnlineLinearProbe"):
+for _name in ("AttentionMaskAnnealingHook", "EventLinearProbeEvaluator", "OnlineLinearProbe"):
     _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
                        "a hook of your own (docs/hooks.md)")
 for _name, _hint in _INSTEAD.items():
