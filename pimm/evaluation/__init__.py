@@ -40,3 +40,7 @@ __all__ += ["RingGANEvaluator"]
 from .pretrain import FeatureStdMonitor, PretrainEvaluator, PrototypeUsageLogger  # noqa: E402  (registers HOOKS)
 
 __all__ += ["FeatureStdMonitor", "PretrainEvaluator", "PrototypeUsageLogger"]
+
+from .push_to_hub import PushToHub  # noqa: E402  (registers the HOOKS entry)
+
+__all__ += ["PushToHub"]

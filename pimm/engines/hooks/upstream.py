@@ -75,7 +75,6 @@ class FinalEvaluator(HookBase):
 _INSTEAD = {
     "SimulateCrash": "kill the process (e.g. tests/support/toy.py KillAtStep in pimm's own tests)",
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
-    "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
 }
 for _name in ("AttentionMaskAnnealingHook", "EventLinearProbeEvaluator", "OnlineLinearProbe"):
     _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
