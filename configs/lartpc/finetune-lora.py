@@ -1,7 +1,7 @@
 # Parameter-efficient fine-tuning (upstream's LoRA recipe): the PT-v3 semantic
 # segmentation model trained by configs/lartpc/semseg-ptv3.py, frozen, with
 # rank-4 adapters on every attention projection (attn.qkv, attn.proj) and the
-# head trained, on events with twice the generator's delta-ray rate.
+# head trained, on fresh events of the same generator.
 #
 #   python tools/train.py --config-file configs/lartpc/semseg-ptv3.py        # the base weight (27 min)
 #   python tools/train.py --config-file configs/lartpc/finetune-lora.py \
@@ -30,8 +30,8 @@ _transform = [
     dict(type="ToTensor"),
     dict(type="Collect", keys=("coord", "grid_coord", "segment", "instance"), feat_keys=("coord", "energy")),
 ]
-data = dict(train=dict(transform=_transform, num_events=480, in_memory=False, delta_rate=0.02),
-            val=dict(transform=_transform, num_events=48, delta_rate=0.02), test=dict(transform=_transform))
+data = dict(train=dict(transform=_transform, num_events=480, in_memory=False, seed=1),  # events the base never saw
+            val=dict(transform=_transform, num_events=48), test=dict(transform=_transform))
 
 model = dict(
     type="LoRAAdapter",

@@ -44,3 +44,7 @@ __all__ += ["FeatureStdMonitor", "PretrainEvaluator", "PrototypeUsageLogger"]
 from .push_to_hub import PushToHub  # noqa: E402  (registers the HOOKS entry)
 
 __all__ += ["PushToHub"]
+
+from .probes import EventLinearProbeEvaluator, OnlineLinearProbe  # noqa: E402  (registers the HOOKS entries)
+
+__all__ += ["EventLinearProbeEvaluator", "OnlineLinearProbe"]

@@ -209,7 +209,7 @@ class PushToHub(HookBase):
             if best != self._seen_best and isinstance(best, float) and math.isfinite(best):
                 self._seen_best = best
                 self._periodic("model_best")
-        if self.every_n_steps and (trainer.global_step + 1) % self.every_n_steps == 0:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:  # steps done so far
             self._periodic("model_last")
 
     def after_epoch(self):

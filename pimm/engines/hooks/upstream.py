@@ -76,7 +76,7 @@ _INSTEAD = {
     "SimulateCrash": "kill the process (e.g. tests/support/toy.py KillAtStep in pimm's own tests)",
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
 }
-for _name in ("AttentionMaskAnnealingHook", "EventLinearProbeEvaluator", "OnlineLinearProbe"):
+for _name in ("AttentionMaskAnnealingHook",):
     _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
                        "a hook of your own (docs/hooks.md)")
 for _name, _hint in _INSTEAD.items():

@@ -132,7 +132,7 @@ class LogitEntropyLogger(HookBase):
 
     def after_step(self):
         trainer = self.trainer
-        if (trainer.global_step + 1) % self.log_frequency:
+        if trainer.global_step % self.log_frequency:  # after_step: global_step counts the steps done
             return
         output = trainer.comm_info.get("model_output_dict") or {}
         if self.logits_key not in output:
@@ -145,7 +145,7 @@ class LogitEntropyLogger(HookBase):
         if self.log_per_class and self.reduction == "none" and entropy.dim() > 1:
             for i, column in enumerate(entropy.mean(dim=0).tolist()):
                 scalars[f"train_batch/{self.prefix}_class_{i}"] = column
-        trainer.metrics.publish_local(scalars, step=trainer.global_step + 1)
+        trainer.metrics.publish_local(scalars, step=trainer.global_step)
         trainer.comm_info["iter_info"] = f"{trainer.comm_info.get('iter_info') or ''}{self.prefix}: {value:.4f} "
         self._epoch_sum += value
         self._epoch_count += 1
