@@ -167,3 +167,73 @@ def test_new_losses_train_a_parameter():
         with torch.no_grad():
             after = loss(pred - 0.5 * pred.grad, target)
         assert after < before, cfg["type"]
+
+
+def _instance_inputs():
+    raw = FIXTURE["instance_inputs"]
+    layer = lambda d: {k: [torch.tensor(t) for t in v] if k != "aux_outputs" else [layer(a) for a in v]  # noqa: E731
+                       for k, v in d.items()}
+    batch = {k: torch.tensor(v) for k, v in raw["batch"].items()}
+    return layer(raw["pred"]), batch
+
+
+def _select(pred, keys):
+    out = {k: pred[k] for k in ("pred_masks", *keys) if k != "aux_outputs"}
+    if "aux_outputs" in keys:
+        out["aux_outputs"] = [_select(a, [k for k in keys if k != "aux_outputs"]) for a in pred["aux_outputs"]]
+    return out
+
+
+@pytest.mark.parametrize("case", FIXTURE["instance_losses"], ids=[c["name"] for c in FIXTURE["instance_losses"]])
+def test_instance_loss_matches_upstream(case):
+    pred, batch = _instance_inputs()
+    loss, components = LOSSES.build(dict(case["cfg"]))(_select(pred, case["keys"]), batch)
+    assert loss.item() == pytest.approx(case["value"], rel=1e-5, abs=1e-5)
+    for key, value in case["components"].items():
+        assert float(components[key]) == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def test_instance_loss_trains_the_masks_and_goes_through_criteria():
+    pred, batch = _instance_inputs()
+    masks = [m.clone().requires_grad_(True) for m in pred["pred_masks"]]
+    criteria = build_criteria([dict(type="FastInstanceSegmentationLoss", truth_label="instance")])
+    loss, components = criteria(dict(pred_masks=masks), batch)
+    assert components["num_pairs"] == 5
+    loss.backward()
+    with torch.no_grad():
+        stepped = [m - 2.0 * m.grad for m in masks]
+    after, _ = criteria(dict(pred_masks=stepped), batch)
+    assert after < loss
+
+
+def test_instance_loss_one_line_errors():
+    pred, batch = _instance_inputs()
+    with pytest.raises(KeyError, match="truth_label"):
+        LOSSES.build(dict(type="FastInstanceSegmentationLoss", truth_label="instance"))(pred, {"segment": batch["segment"]})
+    with pytest.raises(ConfigError, match="all 0"):
+        LOSSES.build(dict(type="FastInstanceSegmentationLoss", cost_mask=0, cost_dice=0))
+    with pytest.raises(KeyError, match="pred_energy"):
+        LOSSES.build(dict(type="FastInstanceSegmentationRegressionLoss", truth_label="instance",
+                          regression_targets=[dict(name="energy")]))(dict(pred_masks=pred["pred_masks"]), batch)
+    with pytest.raises(ConfigError, match="aggregation"):
+        LOSSES.build(dict(type="FastInstanceSegmentationRegressionLoss",
+                          regression_targets=[dict(name="energy", aggregation="max")]))
+
+
+def test_assignment_is_minimal_on_every_small_matrix():
+    import itertools
+
+    import numpy as np
+
+    from pimm.models.losses.assignment import linear_sum_assignment
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, m = (int(v) for v in rng.integers(1, 6, 2))
+        cost = rng.normal(size=(n, m))
+        rows, cols = linear_sum_assignment(cost)
+        perms = itertools.permutations(range(max(n, m)), min(n, m))
+        best = min(sum(cost[i, p[i]] for i in range(n)) if n <= m else sum(cost[p[j], j] for j in range(m))
+                   for p in perms)
+        assert cost[rows, cols].sum() == pytest.approx(best, abs=1e-9)
+        assert len(rows) == min(n, m) and list(rows) == sorted(rows) and len(set(cols)) == len(cols)

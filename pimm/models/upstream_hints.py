@@ -38,11 +38,11 @@ for _name in ("PT-v2m1", "PT-v2m2", "PT-v2m3", "PT-v3m4", "PT-v3m8", "Volt-v1m1"
               "PointTransformer-Seg26", "PointTransformer-Seg38", "PointTransformer-Seg50"):
     MODEL_HINTS[_name] = _PTV3
 
-_INSTANCE_LOSS = ("upstream's query-based (Mask2Former-style) instance losses belong with its Panda detector, which is "
-                  "not built here; PointGroupLite and PointGroupAffinity train their instance heads with their own "
-                  "losses (docs/models.md)")
-LOSS_HINTS = {name: _INSTANCE_LOSS for name in ("InstanceSegmentationLoss", "FastInstanceSegmentationLoss",
-                                                "FastInstanceSegmentationRegressionLoss", "FastUnifiedInstanceLoss")}
+LOSS_HINTS = {
+    "FastUnifiedInstanceLoss": ("upstream's unified multi-head instance loss (of its Panda detector) is not built "
+                                "here; use FastInstanceSegmentationRegressionLoss (masks, classes and per-instance "
+                                "regressions) or FastInstanceSegmentationLoss"),
+}
 
 for _name, _hint in MODEL_HINTS.items():
     MODELS.add_hint(_name, _hint)
