@@ -115,6 +115,7 @@ class LogitEntropyLogger(HookBase):
                                      f"{self.logits_key!r} at temperature {self.default_temperature:g}")
 
     def temperature(self) -> float:
+        """The model's current ``teacher_temp``, else ``default_temperature``."""
         return float(self._sonata.teacher_temp) if self._sonata is not None else self.default_temperature
 
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:
