@@ -167,3 +167,29 @@ def test_lora_bad_arguments_are_one_line(kw, words):
 def test_lora_passes_attributes_through():
     adapter = MODELS.build(lora_cfg())
     assert adapter.num_classes == 3 and adapter.criteria is adapter.model.criteria
+
+
+def test_the_shipped_lora_config_adapts_attention_and_trains_only_adapters_and_head(tmp_path):
+    from pathlib import Path
+
+    import pimm.cli
+    from pimm.engines.launch import load_config
+
+    pimm.cli.register_all()
+
+    root = Path(__file__).resolve().parents[1]
+    cfg, _ = load_config(str(root / "configs" / "lartpc" / "finetune-lora.py"), [f"save_path={tmp_path / 'run'}"],
+                         world_size=1)
+    assert cfg.model["type"] == "LoRAAdapter" and cfg.scheduler["type"] == "CosineAnnealingLR"
+    model = MODELS.build(cfg.model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all("lora_" in n or "seg_head" in n for n in trainable)
+    assert len(model.adapted) == 14 and all(n.endswith(("attn.qkv", "attn.proj")) for n in model.adapted)
+    # The base semseg weights map onto the wrapped model's names (weight_key_map).
+    plain = {k for k in MODELS.build(cfg.model["model"]).state_dict()}
+    mapped = set()
+    for key in plain:
+        for old, new in cfg.weight_key_map:
+            if key.startswith(old):
+                mapped.add(new + key[len(old):])
+    assert mapped == {k for k in model.state_dict() if "lora_" not in k}
