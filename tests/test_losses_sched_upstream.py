@@ -237,3 +237,12 @@ def test_assignment_is_minimal_on_every_small_matrix():
                    for p in perms)
         assert cost[rows, cols].sum() == pytest.approx(best, abs=1e-9)
         assert len(rows) == min(n, m) and list(rows) == sorted(rows) and len(set(cols)) == len(cols)
+
+
+def test_unified_loss_refuses_overlap_mode_and_bad_heads_in_one_line():
+    with pytest.raises(ConfigError, match="overlap=True"):
+        LOSSES.build(dict(type="FastUnifiedInstanceLoss", query_heads=[dict(name="energy")], overlap=True))
+    with pytest.raises(ConfigError, match="kind"):
+        LOSSES.build(dict(type="FastUnifiedInstanceLoss", query_heads=[dict(name="pid", kind="ordinal")]))
+    with pytest.raises(ConfigError, match="unknown key"):
+        LOSSES.build(dict(type="FastUnifiedInstanceLoss", query_heads=[dict(name="pid", weight=2.0)]))

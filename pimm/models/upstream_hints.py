@@ -38,11 +38,7 @@ for _name in ("PT-v2m1", "PT-v2m2", "PT-v2m3", "PT-v3m4", "PT-v3m8", "Volt-v1m1"
               "PointTransformer-Seg26", "PointTransformer-Seg38", "PointTransformer-Seg50"):
     MODEL_HINTS[_name] = _PTV3
 
-LOSS_HINTS = {
-    "FastUnifiedInstanceLoss": ("upstream's unified multi-head instance loss (of its Panda detector) is not built "
-                                "here; use FastInstanceSegmentationRegressionLoss (masks, classes and per-instance "
-                                "regressions) or FastInstanceSegmentationLoss"),
-}
+LOSS_HINTS: dict[str, str] = {}  # every loss upstream registers is built
 
 for _name, _hint in MODEL_HINTS.items():
     MODELS.add_hint(_name, _hint)

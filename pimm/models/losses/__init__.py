@@ -21,10 +21,11 @@ from .base import LOSSES, Criteria, build_criteria
 from .classification import BinaryFocalLoss, CrossEntropyHeadLoss, CrossEntropyLoss, FocalLoss, SmoothCELoss
 from .dice import DiceLoss
 from .instance_query import FastInstanceSegmentationLoss, FastInstanceSegmentationRegressionLoss
+from .instance_unified import FastUnifiedInstanceLoss
 from .lovasz import LovaszLoss, lovasz_grad
 from .regression import L1RegressionLoss, MSERegressionLoss, SmoothL1RegressionLoss
 
 __all__ = ["LOSSES", "CrossEntropyLoss", "FocalLoss", "LovaszLoss", "DiceLoss", "Criteria", "build_criteria",
            "lovasz_grad", "SmoothCELoss", "CrossEntropyHeadLoss", "BinaryFocalLoss", "L1RegressionLoss",
            "MSERegressionLoss", "SmoothL1RegressionLoss", "FastInstanceSegmentationLoss",
-           "FastInstanceSegmentationRegressionLoss"]
+           "FastInstanceSegmentationRegressionLoss", "FastUnifiedInstanceLoss"]

@@ -153,6 +153,8 @@ class _QueryInstanceLoss(nn.Module):
         self.focal_alpha, self.focal_gamma = float(focal_alpha), float(focal_gamma)
         self.aux_loss_weight = float(aux_loss_weight)
         self.momentum_loss_weight, self.iou_loss_weight = float(momentum_loss_weight), float(iou_loss_weight)
+        self.segment_key = "segment"
+        self.noobj_mask_loss_weight = 0.0  # FastUnifiedInstanceLoss: push unmatched queries' masks to empty
 
     # -- terms -----------------------------------------------------------------
     def _mask_terms(self, pred_sel, gt_sel, sizes):
@@ -198,7 +200,7 @@ class _QueryInstanceLoss(nn.Module):
         masks = pred["pred_masks"]
         counts = [m.shape[1] for m in masks]
         zero = masks[0].new_tensor(0.0)
-        sums = dict(focal=zero, dice=zero, cls=zero)
+        sums = dict(focal=zero, dice=zero, cls=zero, noobj=zero)
         extra_sum, extra_batches, extra_seen = {}, {}, {}
         diag = dict(focal=zero, dice=zero, ce_matched=zero, n_matched=zero, ce_noobj=zero, n_noobj=zero)
         pairs, batches, queries, instances = 0, 0, zero, zero
@@ -220,7 +222,13 @@ class _QueryInstanceLoss(nn.Module):
             diag["focal"], diag["dice"] = diag["focal"] + focal.sum(), diag["dice"] + dice.sum()
             pairs += n
             batches += 1
-            if logits_all is not None and "segment" in input_dict:
+            if self.noobj_mask_loss_weight > 0:
+                unmatched = torch.ones(pm.shape[0], dtype=torch.bool, device=pm.device)
+                unmatched[idx_q] = False
+                if unmatched.any():
+                    rest = pm[unmatched]
+                    sums["noobj"] = sums["noobj"] + F.binary_cross_entropy_with_logits(rest, torch.zeros_like(rest))
+            if logits_all is not None and self.segment_key in input_dict:
                 inst_class = None if event["inst_class"] is None else event["inst_class"].to(pm.device)
                 cls_total, cls_count, matched_ce, noobj_ce = self._class_terms(logits_all[b], inst_class, idx_q,
                                                                                idx_gt)
@@ -238,6 +246,8 @@ class _QueryInstanceLoss(nn.Module):
         denom = max(batches, 1)
         loss = (self.loss_weight_focal * sums["focal"] / denom + self.loss_weight_dice * sums["dice"] / denom
                 + sums["cls"] / denom)
+        if self.noobj_mask_loss_weight > 0:
+            loss = loss + self.noobj_mask_loss_weight * sums["noobj"] / denom
         for name, total in extra_sum.items():
             loss = loss + extra_seen[name] * total / extra_batches[name]
         components = {
@@ -266,7 +276,7 @@ class _QueryInstanceLoss(nn.Module):
                            f"per-point instance ids); keys: {sorted(input_dict)}")
         masks = pred["pred_masks"]
         events = event_instances(input_dict[self.truth_label], [m.shape[1] for m in masks],
-                                 segment=input_dict.get("segment"), ignore_index=self.ignore_index,
+                                 segment=input_dict.get(self.segment_key), ignore_index=self.ignore_index,
                                  device=masks[0].device if len(masks) else None)
         loss, components = self.single_layer(pred, input_dict, events)
         if pred.get("aux_outputs"):
@@ -380,3 +390,4 @@ class FastInstanceSegmentationRegressionLoss(_QueryInstanceLoss):
                 predicted = predicted.squeeze(-1)
             out[cfg["name"]] = (1.0, weight * self.regression_losses[cfg["name"]](predicted, target))
         return out
+
