@@ -13,7 +13,7 @@
 # base weights: the result loads into semseg-ptv3.py's model as it is.
 # The inner model must be the architecture the weight was trained with.
 #
-# Measured (2026-12-06, shared 2-core VM, torch 2.13 CPU): 2 min 38 s for the
+# Measured (2026-12-06, shared 2-core VM, torch 2.13 CPU): 2 min 22 s for the
 # whole command (60 steps of 8, one evaluation); 9,381 of 912,085 parameters
 # train (1.03 %: 28 adapter matrices on 14 projections, and the head).
 _base_ = "_base_lartpc.py"
