@@ -193,3 +193,28 @@ def test_the_shipped_lora_config_adapts_attention_and_trains_only_adapters_and_h
             if key.startswith(old):
                 mapped.add(new + key[len(old):])
     assert mapped == {k for k in model.state_dict() if "lora_" not in k}
+
+
+def test_lora_exports_round_trip_wrapped_and_merged(tmp_path):
+    """``pimm.save_pretrained`` of the adapted model reloads as the adapted model,
+    and an export of ``merged_state_dict()`` reloads as the plain model; all
+    three compute the same logits."""
+    import pimm
+
+    torch.manual_seed(2)
+    adapter = MODELS.build(lora_cfg())
+    opt = torch.optim.SGD([p for p in adapter.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        adapter(batch())["loss"].backward()
+        opt.step()
+    adapter.eval()
+    pimm.save_pretrained(adapter, tmp_path / "wrapped", training_config=dict(model=lora_cfg()))
+    pimm.save_pretrained(adapter.merged_state_dict(), tmp_path / "merged", training_config=dict(model=SEGMENTOR))
+    wrapped = pimm.from_pretrained(tmp_path / "wrapped")
+    merged = pimm.from_pretrained(tmp_path / "merged")
+    assert type(wrapped).__name__ == "LoRAAdapter" and type(merged).__name__ == "DefaultSegmentorV2"
+    with torch.no_grad():
+        expect = adapter(batch(seed=5))["seg_logits"]
+        torch.testing.assert_close(wrapped(batch(seed=5))["seg_logits"], expect)
+        torch.testing.assert_close(merged(batch(seed=5))["seg_logits"], expect, rtol=1e-4, atol=1e-5)
