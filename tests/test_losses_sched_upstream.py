@@ -246,3 +246,15 @@ def test_unified_loss_refuses_overlap_mode_and_bad_heads_in_one_line():
         LOSSES.build(dict(type="FastUnifiedInstanceLoss", query_heads=[dict(name="pid", kind="ordinal")]))
     with pytest.raises(ConfigError, match="unknown key"):
         LOSSES.build(dict(type="FastUnifiedInstanceLoss", query_heads=[dict(name="pid", weight=2.0)]))
+
+
+def test_onecycle_takes_pct_start_in_steps_as_upstream():
+    a, b = _optimizer(), _optimizer()
+    in_steps = build_scheduler(dict(type="OneCycleLR", max_lr=[0.1, 0.02], pct_start=5), a, 20)
+    as_fraction = build_scheduler(dict(type="OneCycleLR", max_lr=[0.1, 0.02], pct_start=0.25), b, 20)
+    for _ in range(19):
+        assert in_steps.get_last_lr() == as_fraction.get_last_lr()
+        a.step(), b.step()
+        in_steps.step(), as_fraction.step()
+    with pytest.raises(ConfigError, match="warm-up steps"):
+        build_scheduler(dict(type="OneCycleLR", pct_start=30), _optimizer(), 20)

@@ -1,6 +1,7 @@
 """The schedules upstream pimm registers that pimm's core set lacks
 (``CosineAnnealingLR``, ``ExpLR``, ``MultiStepWithWarmupLR``), and upstream's
-``last_epoch`` argument on every registered schedule.
+``last_epoch`` argument on every registered schedule (and ``OneCycleLR``'s
+``pct_start`` given as a number of warm-up steps, a value > 1).
 
 They follow the rules of :mod:`pimm.engines.scheduler`: the lr is a closed
 form of the step and each group's base lr (so ``param_dicts`` ratios hold,
@@ -152,11 +153,32 @@ def _with_last_epoch(core_cls):
     return cls
 
 
+def _onecycle_steps_as_fraction(cls):
+    """Upstream's OneCycleLR also takes ``pct_start`` as a number of warm-up
+    steps (a value > 1); it becomes the fraction of ``total_steps``."""
+    core_init = cls.__init__
+
+    def __init__(self, optimizer: Optimizer, total_steps: int, *args, pct_start: float = 0.3, **kwargs):
+        if not isinstance(pct_start, bool) and isinstance(pct_start, numbers.Real) and pct_start > 1:
+            total = _core._check_total_steps(total_steps)
+            if int(pct_start) >= total:
+                raise ConfigError(f"pct_start={pct_start!r} warm-up steps must be fewer than the run's {total} steps")
+            pct_start = int(pct_start) / total
+        core_init(self, optimizer, total_steps, *args, pct_start=pct_start, **kwargs)
+
+    __init__.__signature__ = inspect.signature(core_init)
+    cls.__init__ = __init__
+    cls.domains = dict(cls.domains, pct_start=Real(0, 1e9, lo_open=True))
+    return cls
+
+
 def _register_last_epoch_variants() -> dict[str, type]:
     made: dict[str, type] = {}
     for core_cls in (_core.MultiStepLR, _core.PolyLR, _core.ConstantLR, _core.CosineWarmupLR, _core.OneCycleLR):
         names = [n for n in SCHEDULERS.keys() if SCHEDULERS.find(n) is core_cls]
         variant = _with_last_epoch(core_cls)
+        if core_cls is _core.OneCycleLR:
+            variant = _onecycle_steps_as_fraction(variant)
         SCHEDULERS.register_module(names, force=True, module=variant)
         made[core_cls.__name__] = variant
     return made
