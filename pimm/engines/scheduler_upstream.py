@@ -162,13 +162,13 @@ def _onecycle_steps_as_fraction(cls):
         if not isinstance(pct_start, bool) and isinstance(pct_start, numbers.Real) and pct_start > 1:
             total = _core._check_total_steps(total_steps)
             if int(pct_start) >= total:
-                raise ConfigError(f"pct_start={pct_start!r} warm-up steps must be fewer than the run's {total} steps")
+                raise ConfigError(f"pct_start={pct_start!r}: warm-up steps must be fewer than the run's {total} steps")
             pct_start = int(pct_start) / total
         core_init(self, optimizer, total_steps, *args, pct_start=pct_start, **kwargs)
 
     __init__.__signature__ = inspect.signature(core_init)
     cls.__init__ = __init__
-    cls.domains = dict(cls.domains, pct_start=Real(0, 1e9, lo_open=True))
+    cls.domains = dict(cls.domains, pct_start=Real(0, 1, lo_open=True, hi_open=True) | Int(2))
     return cls
 
 
