@@ -225,7 +225,7 @@ def _error(config: str, *options: str) -> str:
     (["param_dicts=[dict(keyword='bias', lr=nan)]"], "param_dicts.0.lr=nan is invalid: it takes a finite number"),
     (["param_dicts=[dict(keyword='bias', weight_decay=-1)]"], "param_dicts.0.weight_decay=-1 is invalid"),
     (["default_hooks.checkpoint.save_every_seconds=inf"], "default_hooks.checkpoint.save_every_seconds=inf is invalid"),
-    (["scheduler.pct_start=1.5"], "scheduler.pct_start=1.5 is invalid: it takes a finite number in (0, 1)"),
+    (["scheduler.pct_start=1.5"], "scheduler.pct_start=1.5 is invalid: it takes a finite number in (0, 1) or an integer in [2, 1e9]"),
     (["hooks.ClsEvaluator.every_n_steps=-1"], "hooks.ClsEvaluator.every_n_steps=-1 is invalid"),
     (["hooks.0.type=None"], "hooks.0.type=None is invalid: it takes the name of a hook"),
     (["compile.enabled=True", "compile.backend='eagr'"], "did you mean 'eager'?"),

@@ -143,7 +143,7 @@ def test_lovasz_equals_one_minus_iou_for_hard_predictions():
 
 def test_dice_hand_computed():
     # Class 0: 2*(0.9+0.4)/(1.5+2); class 1: 2*0.8/(1.5+1).
-    loss = LOSSES.build(dict(type="DiceLoss", smooth=0.0))(PROBS.log(), TARGET)
+    loss = LOSSES.build(dict(type="DiceLoss", smooth=0.0, exponent=1, classes="present"))(PROBS.log(), TARGET)
     assert loss.item() == pytest.approx(1.0 - (2.6 / 3.5 + 1.6 / 2.5) / 2, abs=1e-6)
 
 

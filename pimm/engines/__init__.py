@@ -13,6 +13,7 @@ from pimm.engines.hooks import EvalRun, EvaluatorBase, HookBase
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.optim_step import OptimStep, StepResult
 from pimm.engines.scheduler import scale_lr
+from pimm.engines import scheduler_upstream  # noqa: F401  (upstream's extra schedules; last_epoch)
 from pimm.engines.trainer_base import TrainerBase
 from pimm.engines.trainers import DefaultTrainer, GRPOTrainer, ImageClassTrainer, InsegTrainer, MultiDatasetTrainer
 

@@ -40,3 +40,11 @@ __all__ += ["RingGANEvaluator"]
 from .pretrain import FeatureStdMonitor, PretrainEvaluator, PrototypeUsageLogger  # noqa: E402  (registers HOOKS)
 
 __all__ += ["FeatureStdMonitor", "PretrainEvaluator", "PrototypeUsageLogger"]
+
+from .push_to_hub import PushToHub  # noqa: E402  (registers the HOOKS entry)
+
+__all__ += ["PushToHub"]
+
+from .probes import EventLinearProbeEvaluator, OnlineLinearProbe  # noqa: E402  (registers the HOOKS entries)
+
+__all__ += ["EventLinearProbeEvaluator", "OnlineLinearProbe"]

@@ -19,10 +19,11 @@ from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
 from pimm.engines.hooks.upstream_runtime import (CheckpointSaverIteration, DtypeOverrider, GradientNormLogger,
                                                  ParameterCounter, ResourceUtilizationLogger, WandbNamer,
                                                  WeightDecayExclusion, WeightDecayScheduler)
+from pimm.engines.hooks.upstream_diagnostics import GarbageHandler, LogitEntropyLogger, RuntimeProfiler
 
 __all__ = ["HookBase", "EvalRun", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",
            "EvaluatorBase", "InformationWriter", "IterationTimer", "NaNGuard", "NonFiniteStep", "ProgressBar",
            "EmptyCache", "ModelHook", "FinalEvaluator", "LiveControl", "OnDemandValidation",
            "ReduceLROnPlateau", "CheckpointSaverIteration", "DtypeOverrider", "GradientNormLogger",
            "ParameterCounter", "ResourceUtilizationLogger", "WandbNamer", "WeightDecayExclusion",
-           "WeightDecayScheduler", "SimulateCrash"]
+           "WeightDecayScheduler", "SimulateCrash", "GarbageHandler", "LogitEntropyLogger", "RuntimeProfiler"]

@@ -74,12 +74,8 @@ class FinalEvaluator(HookBase):
 
 _INSTEAD = {
     "InstanceSegmentationEvaluator": "InsSegEvaluator",
-    "PushToHub": "nothing at run time needs the network here; copy model/model_best.pth yourself",
-    "RuntimeProfiler": "structured_logging.enabled=True, then `pimm trace summarize RUN`",
-    "GarbageHandler": "empty_cache=True / empty_cache_per_epoch=True",
 }
-for _name in ("LogitEntropyLogger", "AttentionMaskAnnealingHook", "EventLinearProbeEvaluator", "MAEEvaluator",
-              "OnlineLinearProbe"):
+for _name in ("AttentionMaskAnnealingHook",):
     _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
                        "a hook of your own (docs/hooks.md)")
 for _name, _hint in _INSTEAD.items():

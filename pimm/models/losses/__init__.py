@@ -18,9 +18,14 @@ loss): ``docs/models.md``.
 from __future__ import annotations
 
 from .base import LOSSES, Criteria, build_criteria
-from .classification import CrossEntropyLoss, FocalLoss
+from .classification import BinaryFocalLoss, CrossEntropyHeadLoss, CrossEntropyLoss, FocalLoss, SmoothCELoss
 from .dice import DiceLoss
+from .instance_query import FastInstanceSegmentationLoss, FastInstanceSegmentationRegressionLoss
+from .instance_unified import FastUnifiedInstanceLoss
 from .lovasz import LovaszLoss, lovasz_grad
+from .regression import L1RegressionLoss, MSERegressionLoss, SmoothL1RegressionLoss
 
 __all__ = ["LOSSES", "CrossEntropyLoss", "FocalLoss", "LovaszLoss", "DiceLoss", "Criteria", "build_criteria",
-           "lovasz_grad"]
+           "lovasz_grad", "SmoothCELoss", "CrossEntropyHeadLoss", "BinaryFocalLoss", "L1RegressionLoss",
+           "MSERegressionLoss", "SmoothL1RegressionLoss", "FastInstanceSegmentationLoss",
+           "FastInstanceSegmentationRegressionLoss", "FastUnifiedInstanceLoss"]

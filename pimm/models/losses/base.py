@@ -81,11 +81,18 @@ class Criteria(nn.Module):
                                   "and a model's loss must be one number: use reduction='mean' or 'sum'")
         self._offset_takers = [_takes_offset(loss) for loss in self.losses]
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
-        total = 0
+    def forward(self, logits, target, offset: torch.Tensor | None = None):
+        """The summed loss; ``(loss, components)`` when a loss returns its own
+        diagnostics as ``(value, dict)`` (upstream's instance losses), the
+        dicts merged."""
+        total, components = 0, None
         for loss, takes_offset in zip(self.losses, self._offset_takers):
-            total = total + (loss(logits, target, offset=offset) if takes_offset else loss(logits, target))
-        return total
+            value = loss(logits, target, offset=offset) if takes_offset else loss(logits, target)
+            if isinstance(value, tuple):
+                value, info = value
+                components = {**(components or {}), **info}
+            total = total + value
+        return total if components is None else (total, components)
 
 
 def build_criteria(cfgs: Sequence[dict] | None) -> Criteria:
