@@ -101,7 +101,8 @@ def test_pretraining_trains_every_part_and_reports_its_losses():
     weighted.load_state_dict(model.state_dict())
     torch.manual_seed(0)  # the seeds of the tokens and the hidden tokens
     out = model(events())
-    assert set(out) == {"loss", "chamfer_loss", "energy_loss", "mean_points", "mean_groups"}
+    assert set(out) == {"loss", "chamfer_loss", "energy_loss", "mask_ratio", "mean_points", "mean_groups"}
+    assert 0.4 <= out["mask_ratio"].item() <= 0.5  # floor(0.5 * tokens) of each event
     assert torch.isfinite(out["loss"]) and out["loss"] > 0
     assert out["loss"].item() == pytest.approx(out["chamfer_loss"].item() + out["energy_loss"].item(), rel=1e-5)
     out["loss"].backward()
@@ -164,3 +165,30 @@ def test_pretrain_then_finetune_through_tools_train(tmp_path):
     assert "val/mIoU" in (tmp_path / "ft" / "metrics.jsonl").read_text()
     pre_state = torch.load(weight, weights_only=True)["state_dict"]
     assert "encoder.blocks.0.attn.qkv.weight" in pre_state and "Loaded" in log
+
+
+def test_mae_evaluator_averages_the_validation_losses(tmp_path):
+    """In process: a 2-step pre-training with MAEEvaluator logs upstream's
+    val/loss, val/coord_loss, val/feat_loss, val/mask_ratio and selects the
+    best model by neg_val_loss."""
+    import json
+
+    import pimm.cli
+
+    pimm.cli.register_all()
+    from pimm.engines.launch import build_trainer, load_config
+
+    cfg, hooks = load_config(str(ROOT / "configs" / "lartpc" / "pretrain-polarmae.py"), [
+        f"save_path={tmp_path / 'run'}", "data.train.num_events=4", "data.val.num_events=4", "batch_size=2", "batch_size_val=2", "num_worker=0",
+         "model.transformer_kwargs.depth=1", "model.transformer_kwargs.embed_dim=32",
+         "model.decoder_kwargs.transformer_kwargs.depth=1", "model.decoder_kwargs.transformer_kwargs.embed_dim=32",
+         "model.tokenizer_kwargs.num_groups=32", "model.tokenizer_kwargs.context_length=24",
+         "hooks.MAEEvaluator.every_n_steps=1", "hooks.MAEEvaluator.max_batches=1"], world_size=1)
+    build_trainer(cfg, hooks=hooks).train()
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    val = [r for r in records if "val/loss" in r]
+    assert len(val) == 2
+    for r in val:
+        assert r["val/neg_val_loss"] == -r["val/loss"] > -1e3
+        assert r["val/loss"] == pytest.approx(r["val/coord_loss"] + r["val/feat_loss"], rel=1e-5)
+        assert 0.5 <= r["val/mask_ratio"] <= 0.6

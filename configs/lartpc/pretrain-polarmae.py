@@ -54,9 +54,13 @@ data = dict(
         dict(type="ToTensor"),
         dict(type="Collect", keys=("coord", "energy"), feat_keys=("coord", "energy")),
     ]),
+    # unlabelled use only: the reconstruction losses on events never trained on
+    val=dict(type="LArTPCSynthDataset", num_events=32, split="val", in_memory=True, transform=[
+        _log, _norm, dict(type="ToTensor"), dict(type="Collect", keys=("coord", "energy"), feat_keys=("coord", "energy"))]),
 )
 default_hooks = dict(information_writer=dict(log_frequency=25), checkpoint=dict(save_freq=100))
 hooks = [
+    dict(type="MAEEvaluator", every_n_steps=50, max_batches=4),
     dict(type="ParameterCounter", show_details=False, show_gradients=False, min_params=1),
     dict(type="WeightDecayExclusion", exclude_bias_from_wd=True, exclude_norm_from_wd=True,
          exclude_gamma_from_wd=True, exclude_token_from_wd=True, exclude_ndim_1_from_wd=True),

@@ -48,3 +48,7 @@ __all__ += ["PushToHub"]
 from .probes import EventLinearProbeEvaluator, OnlineLinearProbe  # noqa: E402  (registers the HOOKS entries)
 
 __all__ += ["EventLinearProbeEvaluator", "OnlineLinearProbe"]
+
+from .mae import MAEEvaluator  # noqa: E402  (registers the HOOKS entry)
+
+__all__ += ["MAEEvaluator"]

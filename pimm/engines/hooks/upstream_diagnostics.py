@@ -3,7 +3,7 @@
 ``LogitEntropyLogger`` (entropy of a model output's softmax) and
 ``RuntimeProfiler`` (a ``torch.profiler`` trace of the first steps); and the
 one-line answers for hook names upstream's configs use that nothing builds
-(``RuntimeProfilerV2``, ``PreciseEvaluator``, ``MAEEvaluator``).
+(``RuntimeProfilerV2``, ``PreciseEvaluator``).
 
 They change nothing a run computes: the profiler traces the run's own first
 steps (upstream runs extra batches through the model before training, which
@@ -252,5 +252,3 @@ HOOKS.add_hint("RuntimeProfilerV2", "upstream's configs name it but its source r
                                     "RuntimeProfiler (same arguments)")
 HOOKS.add_hint("PreciseEvaluator", "upstream's configs name it but its source registers no such hook; use "
                                    "SemSegEvaluator (or the evaluator of your task, docs/hooks/evaluators.md)")
-HOOKS.add_hint("MAEEvaluator", "it scores PoLAr-MAE's reconstructions, and PoLAr-MAE is not built here; for "
-                               "Sonata pre-training use PretrainEvaluator")

@@ -140,7 +140,7 @@ class PoLArMAE(nn.Module):
 
     Input: ``feat`` (N, num_channels) with xyz first and energy last, and
     ``offset``. Output: ``loss``, ``chamfer_loss``, ``energy_loss``,
-    ``mean_points``, ``mean_groups``.
+    ``mask_ratio`` (hidden / all tokens), ``mean_points``, ``mean_groups``.
     """
 
     domains = dict(arch=_ARCH, decoder_arch=_ARCH, num_channels=Int(4, 64), voxel_size=Real(0, 1e3, lo_open=True),
@@ -196,6 +196,7 @@ class PoLArMAE(nn.Module):
         energy_loss = F.mse_loss(energy[hidden_points], hidden_groups[hidden_points][:, -1])
         loss = self.loss_weights.get("chamfer", 1.0) * chamfer + self.loss_weights.get("energy", 1.0) * energy_loss
         return dict(loss=loss, chamfer_loss=chamfer.detach(), energy_loss=energy_loss.detach(),
+                    mask_ratio=h_mask.sum() / token_mask.sum().clamp(min=1),
                     mean_points=lengths.float().mean(), mean_groups=token_mask.sum(1).float().mean())
 
 
