@@ -10,7 +10,9 @@ runs the script as ``__main__``, then ends the way an interpreter does: wait
 for non-daemon threads, run the ``atexit`` handlers, flush, exit with the
 script's code (1 and a traceback for an uncaught exception).
 
-What a fresh interpreter would do differently: environment variables that a
+What a fresh interpreter would do differently: a module the server imported
+stays imported (so ``PYTHONPATH`` cannot hide or replace torch, pimm or
+tensorboardX; it does reach everything else), environment variables that a
 module reads at import time keep the server's values (the server starts with
 ``run.env()``'s, the ones every tool run gets), and every child shares the
 server's string-hash seed. Tests that kill a run and resume it, or compare
@@ -73,8 +75,12 @@ def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
             os.dup2(target, fd)
             os.close(target)
         os.chdir(request["cwd"])
+        server_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ.clear()
         os.environ.update(request["env"])
+        # sys.path as the interpreter builds it: the script's folder, then $PYTHONPATH, then the rest.
+        rest = [p for p in sys.path[1:] if p not in server_pythonpath]
+        sys.path[1:] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + rest
         argv = request["argv"][1:]
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
