@@ -150,6 +150,7 @@ def test_the_runs_older_checkpoint_stays_usable(tmp_path, finished):
     assert all(torch.equal(mine["state_dict"][k], theirs["state_dict"][k]) for k in theirs["state_dict"])
 
 
+@pytest.mark.slow  # two-rank training, then a two-rank resume
 def test_a_poisoned_rank_state_of_another_rank_stops_every_rank(tmp_path):
     """Two processes: rank 1's own file carries the payload; every rank stops, the line names that file."""
     config = write_toy_config(tmp_path, tmp_path / "run", inprocess.SMALL.format(epoch=1) + f"hooks = {HOOKS}\n")
