@@ -1,16 +1,16 @@
 """Bad input to tools/train.py and tools/test.py: exit code 2, one ``error:``
 line on stderr that names the culprit, no traceback (SPEC, "Exit codes").
 
-Every case is a real subprocess. Starting Python and torch dominates their
-cost, so the module fixture runs all selected cases concurrently (a few at a
-time) once, and each parametrized test then checks its own result.
+Every case is a real process, forked from a server that imported torch and
+pimm once (``tests/support/forkserver.py``: importing them was most of each
+case's cost). The module fixture runs all selected cases concurrently (a few
+at a time) once, and each parametrized test then checks its own result.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support import forkserver  # noqa: E402
 from tests.support.run import non_log_lines  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
@@ -235,8 +236,8 @@ def run_case(case: Case, directory: Path, extra_env: dict | None = None) -> dict
         case.setup(directory)
     before = _snapshot(save_path) if save_path.exists() else {}
     # Relative paths in options (weights, the code marker) resolve inside the case directory.
-    proc = subprocess.run(_command(case, cfg_path), capture_output=True, text=True, timeout=120,
-                          env={**tool_env(), **(extra_env or {})}, cwd=directory)
+    proc = forkserver.run(_command(case, cfg_path), timeout=120, env={**tool_env(), **(extra_env or {})},
+                          cwd=directory)
     after = _snapshot(save_path) if save_path.exists() else {}
     return {"proc": proc, "before": before, "after": after, "directory": directory}
 

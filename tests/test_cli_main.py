@@ -15,12 +15,13 @@ if str(ROOT) not in sys.path:
 
 import pimm.cli as cli  # noqa: E402
 from pimm.cli import main  # noqa: E402
+from tests.support import forkserver  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import train_losses, write_toy_config  # noqa: E402
 
 
 def run_pimm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pimm.cli", *args], env=tool_env(), cwd=ROOT,
+    return forkserver.run([sys.executable, "-m", "pimm.cli", *args], env=tool_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

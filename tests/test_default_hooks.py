@@ -7,7 +7,6 @@ ships in the package (``_base_ = "pimm://_base_/default_runtime.py"``)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from pimm.engines.hooks.live_control import AUDIT_FILE
 from pimm.engines.launch import build_trainer, load_config
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError
+from tests.support import forkserver
 from tests.support.run import ROOT, env
 
 register_all()
@@ -109,7 +109,7 @@ def test_a_bad_name_in_a_config_names_the_closest_default(tmp_path):
 
 
 def test_cli_a_bad_default_hook_name_is_one_line_exit_2(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(RINGS), "--options",
+    out = forkserver.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(RINGS), "--options",
                           f"save_path={tmp_path / 'run'}", "default_hooks.live_contrl=None"],
                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert out.returncode == 2
@@ -121,7 +121,7 @@ def test_cli_a_bad_default_hook_name_is_one_line_exit_2(tmp_path):
 
 
 def test_print_config_shows_the_final_ordered_hooks(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file",
+    out = forkserver.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file",
                           str(ROOT / "configs" / "rings" / "cls-cnn-ema-earlystop.py"), "--print-config", "--options",
                           "default_hooks.on_demand_validation=None"],
                          capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support import forkserver  # noqa: E402
 from tests.support import domain_sweep  # noqa: E402  (registers every pimm type)
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import non_log_lines, write_toy_config  # noqa: E402
@@ -179,7 +180,7 @@ def test_a_seeded_sample_of_resolving_values_trains_with_finite_losses(sweep, tm
 
 
 def _run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), *args], cwd=str(ROOT),
+    return forkserver.run([sys.executable, str(ROOT / "tools" / "train.py"), *args], cwd=str(ROOT),
                           env=tool_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -321,6 +322,7 @@ def test_resume_true_into_a_missing_save_path_warns_naming_it_and_starts_fresh(t
     assert len(warning) == 1 and str(save_path / "checkpoints") in warning[0] and "starting a fresh run" in warning[0]
 
 
+@pytest.mark.slow  # a Ctrl-C sent to a real process while it imports
 def test_ctrl_c_while_importing_exits_130_with_one_line(tmp_path):
     config = write_toy_config(tmp_path, tmp_path / "run")
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(config)],

@@ -94,6 +94,7 @@ def _interrupt_once_then_resume(tmp_path: Path, num_gpus: int, stop_step: int, e
     _assert_same_run(save, reference)
 
 
+@pytest.mark.slow  # a Ctrl-C to a real training process, then a resume
 def test_one_ctrl_c_commits_a_checkpoint_prints_the_resume_command_and_resumes_exactly(tmp_path):
     _interrupt_once_then_resume(tmp_path, num_gpus=1, stop_step=7)
 

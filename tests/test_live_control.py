@@ -313,6 +313,7 @@ def _process_run(root: Path, name: str) -> tuple[Path, Path]:
     return cfg, save
 
 
+@pytest.mark.slow  # a kill/signal of a real training process, then a resume
 def test_sigkill_after_a_change_before_its_checkpoint_then_resume_is_bit_identical(tmp_path):
     """tools/train.py, 3 epochs of 10 steps, checkpoints every 5 steps, polls every 4: revision 2
     is written at step 13 and applied at step 16; the run is SIGKILLed at step 18, so the

@@ -3,7 +3,6 @@ and parameters of registry-built dicts as defined keys (with the real registries
 
 import gc
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from pimm.utils.config_options import parse_options, parse_value
 from pimm.utils.config_slots import check_registry_dicts, slot_registry
 from pimm.utils.errors import ConfigError, RegistryError
 from pimm.utils.registry import Registry
+from tests.support import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 RINGS = ROOT / "configs" / "rings" / "cls-cnn.py"
@@ -416,7 +416,7 @@ def _train(tmp_path, *options):
     env.pop("PIMM_DEBUG", None)
     cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(RINGS), "--options",
            f"save_path={tmp_path / 'run'}", *options]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    return forkserver.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 
 def test_cli_misspelt_hook_parameter_exits_2_naming_the_nearest(tmp_path):

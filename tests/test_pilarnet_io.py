@@ -3,7 +3,6 @@ and options, label keys worked out by hand, errors, and the export tool."""
 
 import importlib.util
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from pimm.datasets.lartpc import LArTPCSynthDataset
 from pimm.datasets.pilarnet import PILArNetH5Dataset, write_pilarnet_h5
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
+from tests.support import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("coord", "energy", "segment", "instance", "interaction")
@@ -249,7 +249,7 @@ def test_reader_errors_name_the_path(tmp_path):
 
 
 def run_tool(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "export_pilarnet.py"), *args],
+    return forkserver.run([sys.executable, str(ROOT / "tools" / "export_pilarnet.py"), *args],
                           capture_output=True, text=True, timeout=120)
 
 

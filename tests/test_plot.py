@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ if str(ROOT) not in sys.path:
 
 from pimm.cli import main as pimm_main  # noqa: E402
 from pimm.tools.plot import load_metrics, plot_runs, smooth  # noqa: E402
+from tests.support import forkserver  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import run_tool, write_toy_config  # noqa: E402
 
@@ -109,7 +109,7 @@ def test_plot_of_a_real_training_run(tmp_path):
     config = write_toy_config(tmp_path, save_path)
     train = run_tool("train", config, "epoch=2")
     assert train.returncode == 0, train.stderr
-    proc = subprocess.run([sys.executable, "-m", "pimm.cli", "plot", str(save_path)], env=tool_env(), cwd=ROOT,
+    proc = forkserver.run([sys.executable, "-m", "pimm.cli", "plot", str(save_path)], env=tool_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = save_path / "plots" / "curves.png"

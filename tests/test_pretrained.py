@@ -6,7 +6,6 @@ huggingface_hub: these tests use local files only)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import types
 
@@ -15,6 +14,7 @@ import torch
 
 import pimm
 from pimm.utils.errors import CheckpointError, ConfigError, UserError
+from tests.support import forkserver
 from tests.support.inprocess import make_trainer
 from tests.support.run import ROOT, env
 
@@ -181,15 +181,15 @@ def test_hf_without_huggingface_hub_says_which_extra(monkeypatch):
 
 def test_pimm_export_command(run, tmp_path):
     cmd = [sys.executable, "-m", "pimm.cli", "export", str(run), str(tmp_path / "out")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    done = forkserver.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert _same(pimm.from_pretrained(tmp_path / "out"), _best(run))
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    again = forkserver.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     assert again.returncode == 2
     assert [line for line in again.stderr.splitlines() if line.strip()] == [
         f"error: save_pretrained: {tmp_path / 'out'} already holds model.safetensors, config.json, README.md; "
         "choose another folder or pass overwrite=True"]
-    last = subprocess.run([*cmd, "--weights", "last", "--overwrite"], capture_output=True, text=True, env=env(),
+    last = forkserver.run([*cmd, "--weights", "last", "--overwrite"], capture_output=True, text=True, env=env(),
                           cwd=ROOT, timeout=300)
     assert last.returncode == 0, last.stderr
     lastw = torch.load(run / "model" / "model_last.pth", weights_only=True)["state_dict"]

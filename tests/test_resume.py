@@ -188,6 +188,7 @@ def kill_points(seed: str) -> list[int]:
 
 # -- SIGKILL between steps ------------------------------------------------------
 @pytest.mark.parametrize("num_worker", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a kill/signal of a real training process, then a resume
 def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, reference, num_worker):
     ref = reference(num_worker)
     run = Run(tmp_path, "killed", num_worker=num_worker)
@@ -218,6 +219,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(tmp_path, referenc
     assert run.log().count("Resumed from") == len(kills)  # the first run had nothing to resume from
 
 
+@pytest.mark.slow  # a kill/signal of a real training process, then a resume
 def test_sigkill_right_after_an_async_save_resumes_exactly(tmp_path, reference):
     """The kill lands while the background writer may still be writing or committing
     the step-15 checkpoint: resume uses it if it was committed, else step 10, and
@@ -232,6 +234,7 @@ def test_sigkill_right_after_an_async_save_resumes_exactly(tmp_path, reference):
     assert_clean_losses(run, ref)
 
 
+@pytest.mark.slow  # a kill/signal of a real training process, then a resume
 def test_sigkill_while_writing_a_checkpoint_leaves_it_ignored(tmp_path, reference):
     ref = reference(0)
     run = Run(tmp_path, "crash-in-save")
@@ -254,6 +257,7 @@ def test_sigkill_while_writing_a_checkpoint_leaves_it_ignored(tmp_path, referenc
 # -- SIGTERM pre-emption ---------------------------------------------------------
 @pytest.mark.parametrize("num_worker,step,second_signal", [
     (0, 7, True), pytest.param(2, 13, False, marks=pytest.mark.slow)], ids=["w0-twice", "w2"])
+@pytest.mark.slow  # a kill/signal of a real training process, then a resume
 def test_sigterm_checkpoints_at_that_step_exits_75_and_resumes_exactly(tmp_path, reference, num_worker, step,
                                                                        second_signal):
     ref = reference(num_worker)
@@ -328,6 +332,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, reference):
 
 
 # -- evaluation inside an epoch ----------------------------------------------------
+@pytest.mark.slow  # a kill/signal of a real training process, then a resume
 def test_mid_epoch_evaluation_does_not_perturb_training_and_resumes_exactly(tmp_path, reference):
     ref = reference(0)  # evaluates at epoch ends only
     plain = Run(tmp_path, "eval-every-3", eval_every=3)

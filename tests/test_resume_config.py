@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import pimm.cli
+from tests.support import forkserver
 from tests.support.run import ROOT, env, run_tool, train_losses, write_toy_config
 
 pimm.cli.register_all()  # the evaluators the toy config names
@@ -32,7 +33,7 @@ def _snapshot(save: Path) -> dict[str, str]:
 
 
 def _pimm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pimm.cli", *args], capture_output=True, text=True, timeout=300,
+    return forkserver.run([sys.executable, "-m", "pimm.cli", *args], capture_output=True, text=True, timeout=300,
                           env=env(), cwd=ROOT)
 
 

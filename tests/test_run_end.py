@@ -16,6 +16,7 @@ import torch
 from pimm.engines.hooks.information_writer import InformationWriter
 from pimm.engines.metrics import MetricChannel
 from pimm.engines.run_summary import headline_values
+from tests.support import forkserver
 from tests.support.run import ROOT, run_tool, write_toy_config
 from tests.support.run import env as tool_env
 
@@ -24,10 +25,9 @@ TRAIN = ROOT / "tools" / "train.py"
 
 
 def _test_run(*argv: str):
-    import subprocess
     import sys
 
-    return subprocess.run([sys.executable, str(TEST), *argv], capture_output=True, text=True, env=tool_env(),
+    return forkserver.run([sys.executable, str(TEST), *argv], capture_output=True, text=True, env=tool_env(),
                           cwd=ROOT, timeout=300)
 
 

@@ -30,6 +30,7 @@ from pimm.engines import HOOKS as HOOK_REGISTRY, HookBase
 from pimm.engines.state.manager import CheckpointManager
 from pimm.engines.state.safe_load import UnsafeCheckpointError, read_dcp_metadata, safe_load_planner
 from pimm.utils.errors import CheckpointError
+from tests.support import forkserver
 from tests.support import inprocess
 from tests.support.inprocess import committed_steps
 from tests.support.run import ROOT, env, final_weights, non_log_lines, run_tool, write_toy_config
@@ -149,6 +150,7 @@ def test_the_runs_older_checkpoint_stays_usable(tmp_path, finished):
     assert all(torch.equal(mine["state_dict"][k], theirs["state_dict"][k]) for k in theirs["state_dict"])
 
 
+@pytest.mark.slow  # two-rank training, then a two-rank resume
 def test_a_poisoned_rank_state_of_another_rank_stops_every_rank(tmp_path):
     """Two processes: rank 1's own file carries the payload; every rank stops, the line names that file."""
     config = write_toy_config(tmp_path, tmp_path / "run", inprocess.SMALL.format(epoch=1) + f"hooks = {HOOKS}\n")
@@ -178,7 +180,7 @@ def test_convert_refuses_a_poisoned_checkpoint(tmp_path, finished):
     marker = tmp_path / "marker"
     poison(folder(run, 8), "common.pth", marker)
     out = tmp_path / "weights.pth"
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), str(run), str(out)],
+    result = forkserver.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), str(run), str(out)],
                             capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     line = one_error(result)
     assert "common.pth refused: it refers to io.open" in line and "--trust-checkpoint-code" in line
@@ -233,7 +235,7 @@ def test_convert_refuses_poisoned_sharded_metadata(tmp_path):
                                                       "sharded": ["model", "optimizer"], "files": files}))
 
     def convert(out: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), str(checkpoint),
+        return forkserver.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), str(checkpoint),
                                str(out)], capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
 
     done = convert(tmp_path / "plain.pth")

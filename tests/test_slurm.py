@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from pimm.tools import submit as slurm  # noqa: E402
 from pimm.distributed.slurm_task import NodeTask, Rendezvous, master_port, torchrun_command  # noqa: E402
+from tests.support import forkserver  # noqa: E402
 from tests.support import fake_slurm  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import final_weights, train_losses, write_toy_config  # noqa: E402
@@ -57,7 +58,7 @@ def test_dry_run_prints_the_script_and_the_command_each_task_runs(tmp_path):
            "--gpus-per-node", "4", "--time", "1-01:30:00", "--signal-seconds", "300", "--partition", "gpu",
            "--account", "lab", "--qos", "high", "--mem", "64G", "--slurm-option", "constraint=a100",
            "--slurm-option", "exclusive", "--max-requeues", "5", "--dry-run", "--options", "optimizer.lr=0.02"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), cwd=ROOT, timeout=300)
+    out = forkserver.run(cmd, capture_output=True, text=True, env=tool_env(), cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     script = text.split("# each task")[0]

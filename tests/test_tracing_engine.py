@@ -5,11 +5,11 @@ nothing when it is off, a killed run's files, a resumed attempt, and
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.support import forkserver
 from tests.support.run import ROOT, env, run_tool, write_toy_config
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def records(run):
 
 
 def pimm(*args):
-    return subprocess.run([sys.executable, "-m", "pimm.cli", *args], capture_output=True, text=True, env=env(),
+    return forkserver.run([sys.executable, "-m", "pimm.cli", *args], capture_output=True, text=True, env=env(),
                           cwd=ROOT, timeout=120)
 
 

@@ -11,6 +11,7 @@ import pytest
 import pimm.cli
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError
+from tests.support import forkserver
 from tests.support.run import run_tool, write_toy_config
 
 pimm.cli.register_all()  # the evaluators (ClsEvaluator)
@@ -137,7 +138,7 @@ def test_pimm_submit_exports_its_command_to_the_job(tmp_path):
     pytest.importorskip("submitit")
     path = write_toy_config(tmp_path, tmp_path / "run", SMALL)
     argv = ["--config-file", str(path), "--time", "01:00:00", "--dry-run", "--options", "optimizer.lr=0.02"]
-    done = subprocess.run([sys.executable, "-m", "pimm.tools.submit", *argv], capture_output=True, text=True,
+    done = forkserver.run([sys.executable, "-m", "pimm.tools.submit", *argv], capture_output=True, text=True,
                           env=env(), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     exports = [line for line in done.stdout.splitlines() if line.startswith("export PIMM_LAUNCH_COMMAND=")]

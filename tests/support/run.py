@@ -1,4 +1,5 @@
-"""Helpers to write configs and run ``tools/train.py`` / ``tools/test.py`` as real processes."""
+"""Helpers to write configs and run ``tools/train.py`` / ``tools/test.py`` as real processes
+(forked from a server that imported torch and pimm once: ``tests/support/forkserver.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from tests.support import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -83,7 +86,7 @@ def run_tool(tool: str, config: Path, *options: str, num_gpus: int = 1, timeout:
         cmd += ["--num-gpus", str(num_gpus)]
     if options:
         cmd += ["--options", *options]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=cwd or ROOT)
+    return forkserver.run(cmd, timeout=timeout, env=env(), cwd=cwd or ROOT)
 
 
 def train_losses(save_path: Path) -> list[tuple[int, float]]:

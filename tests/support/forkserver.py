@@ -1,0 +1,272 @@
+"""Run ``python SCRIPT ...`` / ``python -m MODULE ...`` as real processes that
+skip the interpreter's start-up and the imports of torch and pimm.
+
+A toy training run costs about 4 CPU seconds, half of it importing torch and
+pimm. Each pytest worker therefore keeps one server process that imported
+them once (nothing else: it never runs a torch op, so it holds no thread pool)
+and forks a child per run. The child is a real process with its own pid,
+exit code, stdout and stderr (files), current directory and environment; it
+runs the script as ``__main__``, then ends the way an interpreter does: wait
+for non-daemon threads, run the ``atexit`` handlers, flush, exit with the
+script's code (1 and a traceback for an uncaught exception).
+
+What a fresh interpreter would do differently: a module the server imported
+stays imported (so ``PYTHONPATH`` cannot hide or replace torch, pimm or
+tensorboardX; it does reach everything else), environment variables that a
+module reads at import time keep the server's values (the server starts with
+``run.env()``'s, the ones every tool run gets), and every child shares the
+server's string-hash seed. Tests that kill a run and resume it, or compare
+separate processes bit for bit across a restart, keep starting real
+interpreters (``subprocess``).
+
+Set ``PIMM_TESTS_FRESH_PROCESSES=1`` to run them all as fresh interpreters instead.
+
+``run(argv, ...)`` has ``subprocess.run``'s signature for what the tests use
+(``capture_output``, ``text``, ``timeout``, ``env``, ``cwd``) and returns a
+``CompletedProcess``; argv must start with ``sys.executable``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Imported once by the server; what a toy run of tools/train.py would import.
+PRELOAD = ("torch", "pimm.cli", "pimm.engines.launch", "tests.support.toy", "tensorboardX")
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
+    """In the forked child: become ``python argv...`` and never return."""
+    import runpy
+    import signal
+    import traceback
+
+    code = 1
+    try:
+        for fd in protocol_fds:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        os.chdir(request["cwd"])
+        server_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # sys.path as the interpreter builds it: the script's folder, then $PYTHONPATH, then the rest.
+        rest = [p for p in sys.path[1:] if p not in server_pythonpath]
+        sys.path[1:] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + rest
+        argv = request["argv"][1:]
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = request["cwd"]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - an uncaught exception: traceback and exit 1, like python
+        traceback.print_exc()
+        code = 1
+    try:  # the interpreter's own shutdown order: threads, then atexit
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:  # noqa: BLE001
+        pass
+    if code < 0:  # died of Ctrl-C, as python does for an uncaught KeyboardInterrupt
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def serve() -> None:
+    """Read one JSON request a line on stdin, fork a child for each, answer
+    ``{"id", "pid"}`` at once and ``{"id", "status"}`` when it ends."""
+    import select
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as tools/train.py, before torch is imported
+    for name in PRELOAD:
+        __import__(name)
+    import pimm.cli
+
+    pimm.cli.register_all()
+    requests_fd, answers_fd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    answers = os.fdopen(answers_fd, "w", buffering=1)
+    running: dict[int, str] = {}
+    pending = b""
+    answers.write('{"ready": true}\n')
+    while True:
+        readable, _, _ = select.select([requests_fd], [], [], 0.02 if running else 1.0)
+        if readable:
+            chunk = os.read(requests_fd, 1 << 16)
+            if not chunk:
+                break
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, (requests_fd, answers_fd))
+                running[pid] = request["id"]
+                answers.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+        while running:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            answers.write(json.dumps({"id": running.pop(pid), "status": os.waitstatus_to_exitcode(status),
+                                      "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class _Server:
+    """This process's server: started on first use, ended with the process."""
+
+    def __init__(self) -> None:
+        from tests.support.run import env
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.forkserver"], cwd=ROOT, env=env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        if "ready" not in json.loads(self.proc.stdout.readline() or '{"failed": 1}'):
+            raise RuntimeError("the fork server did not start")
+        self.lock = threading.Lock()
+        self.next_id = 0
+        self.waiting: dict[str, dict] = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the server (its stdin closes); waiting for it counts its CPU time in this process's children."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self.lock:
+                slot = self.waiting[answer["id"]]
+                slot.update(answer)
+                if "status" in answer:
+                    slot["done"].set()
+                elif "pid" in answer:
+                    slot["started"].set()
+        with self.lock:  # the server died: nobody waits forever
+            for slot in self.waiting.values():
+                slot.setdefault("status", None)
+                slot["started"].set()
+                slot["done"].set()
+
+    def start(self, request: dict) -> dict:
+        with self.lock:
+            self.next_id += 1
+            request["id"] = str(self.next_id)
+            slot = self.waiting[request["id"]] = {"started": threading.Event(), "done": threading.Event()}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        slot["started"].wait()
+        return slot
+
+    def finish(self, slot: dict) -> None:
+        with self.lock:
+            self.waiting.pop(slot["id"], None)
+        global last_cpu_s
+        last_cpu_s = slot.get("cpu_s")
+
+
+last_cpu_s: float | None = None  # CPU seconds of the latest child (for measuring)
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+def _get_server() -> _Server:
+    global _server
+    with _server_lock:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _Server()
+        return _server
+
+
+def run(argv: list[str], *, capture_output: bool = True, text: bool = True, timeout: float | None = None,
+        env: dict | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, ...)`` through the fork server."""
+    if argv[0] != sys.executable or not capture_output:
+        raise ValueError("forkserver.run: argv must start with sys.executable, output captured")
+    from tests.support.run import env as tool_env
+
+    if os.environ.get("PIMM_TESTS_FRESH_PROCESSES") == "1":  # check the suite without the fork server
+        return subprocess.run(argv, capture_output=True, text=text, timeout=timeout,
+                              env=env if env is not None else tool_env(), cwd=cwd)
+
+    server = _get_server()
+    with tempfile.TemporaryDirectory(prefix="pimm-fork-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        slot = server.start({"argv": [str(a) for a in argv], "cwd": str(Path(cwd or os.getcwd()).resolve()),
+                             "env": dict(env if env is not None else tool_env()), "stdout": str(out),
+                             "stderr": str(err)})
+        try:
+            if not slot["done"].wait(timeout):
+                if slot.get("pid"):
+                    os.kill(slot["pid"], 9)
+                slot["done"].wait(30)
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_bytes(), err.read_bytes())
+        finally:
+            server.finish(slot)
+        if slot.get("status") is None:
+            raise RuntimeError("the fork server died during a run")
+        stdout, stderr = out.read_bytes(), err.read_bytes()
+    if text:  # as subprocess's text mode: locale encoding, universal newlines
+        stdout, stderr = (io.TextIOWrapper(io.BytesIO(data)).read() for data in (stdout, stderr))
+    return subprocess.CompletedProcess(argv, slot["status"], stdout, stderr)
+
+
+if __name__ == "__main__":
+    serve()
