@@ -346,8 +346,3 @@ class ShufflePoint:
 
 
 __all__ += ["GridSample"]
-
-# Upstream's other transforms, one module per family; imported here so that
-# importing this module registers every transform name.
-from . import transforms_color, transforms_crop, transforms_energy  # noqa: E402,F401
-from . import transforms_instance, transforms_spatial, multiview_extra, transforms_anchors  # noqa: E402,F401
