@@ -8,6 +8,5 @@ from . import concat, default_dataset, lucid, lucid_ssl  # noqa: F401  (register
 # this package runs this file first, so every transform name is registered).
 from . import transforms_color, transforms_crop, transforms_energy  # noqa: F401,E402
 from . import transforms_instance, transforms_spatial, multiview_extra, transforms_anchors  # noqa: F401,E402
-from . import upstream_hints  # noqa: F401,E402  (hints for upstream names not built; after the real ones)
 
 __all__ = ["DATASETS", "TRANSFORMS", "COLLATE_FNS"]

@@ -15,16 +15,12 @@ _SPARSE_UNET = "use SparseUNet (pimm's pure-PyTorch sparse-convolution U-Net, do
 _PTV3 = "use PT-v3m2 (or PT-v3m1) under DefaultSegmentorV2 (docs/models.md)"
 _DETECTOR = ("upstream's Panda detector is not built here; for particle instances use PointGroupLite or "
              "PointGroupAffinity with InsSegTester (docs/models.md)")
-_POLARMAE = "PoLAr-MAE is not built here; for self-supervised pre-training use Sonata-v1m1 (docs/pretraining.md)"
 
 MODEL_HINTS = {
     "DINOEnhancedSegmentor": ("needs per-point DINO image features (dino_coord, dino_feat), which no pimm data set "
                               "provides; use DefaultSegmentorV2"),
     "LitePT": _PTV3,
     "PG-v1m1": "use PointGroupLite (upstream's PointGroup idea: semantic + centroid offsets, then clustering)",
-    "PoLAr-MAE": _POLARMAE,
-    "PoLArMAE-SemSeg": _POLARMAE,
-    "Sonata-v1m2": "use Sonata-v1m1 (pimm's Sonata pre-training, docs/pretraining.md)",
     "SpUNetNoSkipBase": _SPARSE_UNET,
     "detector-v3m2": _DETECTOR, "detector-v4": _DETECTOR, "detector-v5": _DETECTOR,
 }
