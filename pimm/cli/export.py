@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pimm.tools.register import register_all
+from pimm.cli.register import register_all
 from pimm.utils.errors import UserError
 
 __all__ = ["main"]

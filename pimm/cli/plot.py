@@ -29,7 +29,7 @@ from pathlib import Path
 from pimm.utils.errors import UserError
 from pimm.utils.extras import require
 
-from . import ToolParser, output_path, writing
+from .tool_args import ToolParser, output_path, writing
 from .jsonl import read_jsonl
 
 __all__ = ["load_metrics", "smooth", "plot_runs", "best_index", "is_evaluation", "main"]

@@ -2,7 +2,7 @@
 
 ``pimm submit --config-file CFG --nodes N --gpus-per-node G --time HH:MM:SS
 [...] [--dry-run] [--options k=v ...]`` (also ``python -m
-pimm.tools.submit ...``) validates everything it can on the login node
+pimm.cli.submit ...``) validates everything it can on the login node
 (options, time format, the config with its ``--options`` at the job's world
 size, and the save_path rule of ``tools/train.py``: an existing run needs
 ``resume=True``), then submits through submitit one task per node that runs
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.distributed.slurm_task import _PORT_BASE, _PORT_SPAN, NodeTask, append_record, torchrun_command
-from pimm.tools.register import register_all
+from pimm.cli.register import register_all
 from pimm.utils.errors import UserError
 
 __all__ = ["main", "parse_time"]
@@ -137,7 +137,7 @@ def _load_config(config_file: str, options: list[str], world_size: int, check_sa
     """The config as tools/train.py would load it for ``world_size`` ranks (validated).
     ``check_save_path``: refuse a fresh run over an earlier one (not for ``--dry-run``,
     which prints the script whatever is on disk)."""
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     register_all()  # the config may name any registered model, data set, evaluator
 
@@ -183,7 +183,7 @@ def plan(args) -> JobPlan:
     nproc = args.gpus_per_node or args.procs_per_node or 1
     world_size = args.nodes * nproc
     cfg = _load_config(str(config_file), args.options, world_size, check_save_path=not args.dry_run)
-    from pimm.engines.runtime import RUNTIME_DEFAULTS
+    from pimm.engines.run.runtime import RUNTIME_DEFAULTS
 
     if cfg.save_path == RUNTIME_DEFAULTS["save_path"]:
         raise UserError(f"save_path is the default {cfg.save_path!r}: give this run its own directory on a shared "

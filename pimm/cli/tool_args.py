@@ -1,10 +1,10 @@
-"""Command-line tools that read a finished (or running, or killed) run's files:
-``pimm trace summarize|export`` (:mod:`pimm.tools.trace_report`) and ``pimm
-plot`` (:mod:`pimm.tools.plot`).
+"""What every run-reading command shares: the argument parser with the
+one-line usage error (:class:`ToolParser`) and where a command writes
+(:func:`output_path`, :func:`writing`).
 
-They sit above the engine in the layering but import none of it (nor torch):
-``pimm trace`` and ``pimm plot`` must start in a fraction of a second and work
-on a machine that only holds the run directory.
+The run-reading commands (``pimm trace``, ``pimm plot``) sit above the engine
+in the layering but import none of it (nor torch): they must start in a
+fraction of a second and work on a machine that only holds the run directory.
 """
 
 from __future__ import annotations

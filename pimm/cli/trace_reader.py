@@ -6,7 +6,7 @@ Files are read rank by rank in ``seq`` order; each file's first record (``ph``
 and a resumed run's files form a new process. Lines that do not parse as a
 JSON object (the last line cut by a kill, or garbage) are skipped and
 reported with their file and line number. The record format is documented
-in ``pimm/engines/tracing.py`` and ``docs/observability.md``; this module
+in ``pimm/engines/observe/tracing.py`` and ``docs/observability.md``; this module
 does not import it (that would import torch through ``pimm.engines``).
 """
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pimm.utils.errors import UserError
 
-from . import ToolParser, output_path, writing
+from .tool_args import ToolParser, output_path, writing
 from .trace_reader import Process, Trace, read_attempts, read_trace, run_directory
 
 __all__ = ["summarize", "export", "main"]

@@ -1,5 +1,5 @@
 """What hooks written for upstream pimm read on ``self.trainer``, as views over
-pimm's one metric channel (:mod:`pimm.engines.metrics`), never a second one.
+pimm's one metric channel (:mod:`pimm.engines.observe.metrics`), never a second one.
 
 * ``trainer.writer.add_scalar / add_scalars`` publish into the channel
   (:class:`SummaryWriterCalls`): at the next flush the value reaches
@@ -122,7 +122,7 @@ class EventStorage:
 
 
 class SummaryWriterCalls:
-    """TensorBoard's ``SummaryWriter`` calls on :class:`~pimm.engines.writers.MetricsWriter`
+    """TensorBoard's ``SummaryWriter`` calls on :class:`~pimm.engines.observe.writers.MetricsWriter`
     (``trainer.writer``), for hooks written against upstream. Scalars go
     through the metric channel (``self.channel``, set by the trainer), so every
     sink writes them at the next flush; they are this rank's own host values
@@ -188,7 +188,7 @@ def _to_hwc_uint8(image: Any, dataformats: str) -> np.ndarray:
 
 
 class UpstreamTrainerView:
-    """Upstream's trainer attributes on :class:`~pimm.engines.trainer_base.TrainerBase`:
+    """Upstream's trainer attributes on :class:`~pimm.engines.loop.trainer_base.TrainerBase`:
     ``storage``, ``best_metric_value``, ``start_epoch`` (the epoch this process
     started training at: 0, or where a resume picked up)."""
 

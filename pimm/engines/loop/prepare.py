@@ -1,14 +1,14 @@
 """One start-up order for a config, shared by the command line
-(:mod:`pimm.engines.launch`), a trainer built from Python
-(``DefaultTrainer(cfg)``) and the :class:`~pimm.engines.testers.Tester`: the
+(:mod:`pimm.engines.run.launch`), a trainer built from Python
+(``DefaultTrainer(cfg)``) and the :class:`~pimm.engines.loop.testers.Tester`: the
 runtime defaults, the registry dicts, the hooks and their ``modify_config``,
 then validation. It imports neither the command line nor the trainers, so
 each of them can use it."""
 
 from __future__ import annotations
 
-from pimm.engines.default_hooks import build_run_hooks
-from pimm.engines.runtime import apply_runtime_defaults, check_required, check_runtime_domains, validate_runtime
+from pimm.engines.loop.default_hooks import build_run_hooks
+from pimm.engines.run.runtime import apply_runtime_defaults, check_required, check_runtime_domains, validate_runtime
 from pimm.utils.config_domains import check_config_domains
 from pimm.utils.config_slots import check_registry_dicts
 from pimm.utils.errors import ConfigError

@@ -4,7 +4,7 @@ A training step queues device work only: losses, gradient norms and the other
 per-step scalars stay on the device, and the host reads them at a few marked
 moments, each entered as ``with host_sync("<why>"):``
 
-* ``metric flush``: :meth:`pimm.engines.metrics.MetricChannel.flush` (the log
+* ``metric flush``: :meth:`pimm.engines.observe.metrics.MetricChannel.flush` (the log
   cadence, evaluations, checkpoints, the end) reads every buffered scalar in
   one transfer;
 * ``evaluation``: a validation or test pass (evaluators read their results);

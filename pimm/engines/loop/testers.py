@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
-from pimm.engines.parallel import full_parameters
-from pimm.engines.prepare import prepare_config
+from pimm.engines.run.parallel import full_parameters
+from pimm.engines.loop.prepare import prepare_config
 from pimm.engines.registries import HOOKS, TRAINERS
-from pimm.engines.runtime import apply_process_settings
+from pimm.engines.run.runtime import apply_process_settings
 from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.engines.trainers.evaluation import TestScoring
 from pimm.utils import comm

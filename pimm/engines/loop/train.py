@@ -1,4 +1,4 @@
-"""Upstream pimm's import path for the trainer registry: ``from pimm.engines.train
+"""Upstream pimm's import path for the trainer registry: ``from pimm.engines.loop.train
 import TRAINERS``. ``Trainer`` is upstream's name for the plain supervised trainer,
 pimm's :class:`~pimm.engines.trainers.default.DefaultTrainer`."""
 

@@ -39,11 +39,11 @@ import logging
 import weakref
 
 from pimm.engines.control import StopControl
-from pimm.engines.hook_contract import UpstreamTrainerView
+from pimm.engines.loop.hook_contract import UpstreamTrainerView
 from pimm.engines.hooks.base import PHASES, HookBase, get_priority
-from pimm.engines.metrics import MetricChannel
+from pimm.engines.observe.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
-from pimm.engines.tracing import NULL_TRACER
+from pimm.engines.observe.tracing import NULL_TRACER
 from pimm.utils.errors import TrainingInterrupted, TrainingPreempted, UserError
 from pimm.utils.logger import FILE_ONLY
 
@@ -61,7 +61,7 @@ class TrainerBase(UpstreamTrainerView):
     (this step's ``input_dict``, ``model_output_dict``, ``loss`` and ``iter``),
     ``step_result`` (the last update's grad norm, whether it stepped, its lr),
     ``logger``, ``outcome``; and upstream's ``storage``, ``best_metric_value``,
-    ``start_epoch``, ``comm_info["iter_info"]`` (:mod:`pimm.engines.hook_contract`)."""
+    ``start_epoch``, ``comm_info["iter_info"]`` (:mod:`pimm.engines.loop.hook_contract`)."""
 
     #: The metric a user watches to judge this kind of training, with the
     #: direction that is better: on the console line and in the end-of-run summary.
@@ -81,7 +81,7 @@ class TrainerBase(UpstreamTrainerView):
         self.logger = logging.getLogger("pimm")
         self.control = StopControl(preempt_signals=())
         self.outcome = "running"
-        self.tracer = NULL_TRACER  # structured step tracing (pimm.engines.tracing), off by default
+        self.tracer = NULL_TRACER  # structured step tracing (pimm.engines.observe.tracing), off by default
 
     # -- state views ----------------------------------------------------
     @property
@@ -228,7 +228,7 @@ class TrainerBase(UpstreamTrainerView):
         """The step loop of one epoch; True when it was left by a stop.
 
         There is one loop, traced or not. With tracing off ``self.tracer`` is
-        the no-op :data:`~pimm.engines.tracing.NULL_TRACER`, which every other
+        the no-op :data:`~pimm.engines.observe.tracing.NULL_TRACER`, which every other
         call site uses unguarded; here, the hottest spot, its calls sit behind
         one local flag: five no-op calls per step cost about 1 us (measured
         against this loop without them), a flag test next to nothing."""

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from pimm.engines.sync_points import host_sync
+from pimm.engines.loop.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 

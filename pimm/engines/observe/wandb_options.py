@@ -96,7 +96,7 @@ def _project(key: str, value):
     return value
 
 
-#: ``(name, default, check, doc)`` of every W&B runtime key; pimm/engines/runtime.py lists them in its table.
+#: ``(name, default, check, doc)`` of every W&B runtime key; pimm/engines/run/runtime.py lists them in its table.
 WANDB_KEYS = (
     ("wandb_project", "pimm", _project, "W&B project"),
     ("wandb_entity", None, _optional_str, "W&B team or user (None: your default entity)"),

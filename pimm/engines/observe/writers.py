@@ -1,6 +1,6 @@
 """The sinks behind the metric channel: ``metrics.jsonl``, TensorBoard and W&B.
 
-:class:`~pimm.engines.metrics.MetricChannel` buffers and reduces; this class
+:class:`~pimm.engines.observe.metrics.MetricChannel` buffers and reduces; this class
 only writes what it is handed, on rank 0. ``metrics.jsonl`` gets every record
 (floats with full precision; a non-finite value is written as ``null`` so
 every line stays valid JSON). TensorBoard and W&B get each logging window of
@@ -20,7 +20,7 @@ closes). Records that are not dense are written at their own step.
 On resume the writer rewinds to the checkpoint: lines of ``metrics.jsonl``
 written after it are moved to ``metrics.rewound.jsonl`` (nothing is
 deleted), TensorBoard purges later steps, and W&B continues the same run id,
-rewound to the checkpoint's step (:mod:`pimm.engines.wandb_options`).
+rewound to the checkpoint's step (:mod:`pimm.engines.observe.wandb_options`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pimm.engines.hook_contract import SummaryWriterCalls
-from pimm.engines.metrics import reduce_values, tag_op
+from pimm.engines.loop.hook_contract import SummaryWriterCalls
+from pimm.engines.observe.metrics import reduce_values, tag_op
 from pimm.utils import comm
 
 __all__ = ["MetricsWriter", "METRICS_FILE", "REWOUND_FILE"]
@@ -50,7 +50,7 @@ class MetricsWriter(SummaryWriterCalls):
     checkpoint carries it and a resume continues the same run. On other ranks it
     writes nothing. Hooks written for upstream call TensorBoard's ``add_scalar``,
     ``add_scalars``, ``add_image``, ``add_histogram`` on it
-    (:class:`~pimm.engines.hook_contract.SummaryWriterCalls`).
+    (:class:`~pimm.engines.loop.hook_contract.SummaryWriterCalls`).
 
     Args:
         save_path: the run directory.
@@ -146,7 +146,7 @@ class MetricsWriter(SummaryWriterCalls):
             self._tb = SummaryWriter(str(self.save_path / "tensorboard"), purge_step=self._purge_step)
             _close_reports_os_errors(self._tb, self.logger)
         if self.use_wandb:
-            from pimm.engines.wandb_options import start_wandb_run
+            from pimm.engines.observe.wandb_options import start_wandb_run
 
             self._wandb_run = start_wandb_run(self.wandb_init, self.wandb_run_id, self.save_path,
                                               rewind=self._wandb_rewind, logger=self.logger)

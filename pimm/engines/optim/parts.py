@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from pimm.engines.optim import build_optimizer
-from pimm.engines.optim_step import OptimStep
-from pimm.engines.scheduler import build_scheduler
+from pimm.engines.optim.optimizers import build_optimizer
+from pimm.engines.optim.step import OptimStep
+from pimm.engines.optim.scheduler import build_scheduler
 from pimm.engines.state.participants import OptimizerParticipant, SchedulerParticipant
 from pimm.engines.state.sharded import ShardedOptimizerParticipant
 from pimm.utils.errors import ConfigError, UserError

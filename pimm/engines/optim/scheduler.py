@@ -411,7 +411,7 @@ def scale_lr(optimizer: Optimizer, scheduler: Any, factor: float) -> float:
     Example, in a hook: ``scale_lr(self.trainer.optimizer, self.trainer.scheduler, 0.5)``.
     """
     if not isinstance(scheduler, _GroupStateMixin):
-        raise TypeError(f"scale_lr needs one of pimm's schedulers (pimm.engines.scheduler), not "
+        raise TypeError(f"scale_lr needs one of pimm's schedulers (pimm.engines.optim.scheduler), not "
                         f"{type(scheduler).__name__}")
     if scheduler.optimizer is not optimizer:
         raise ValueError("scale_lr: the scheduler does not drive this optimizer")

@@ -29,15 +29,15 @@ from pathlib import Path
 
 from pimm.distributed.spawn import spawn_local
 from pimm.engines.control import ABORT_NOW, STANDARD_PREEMPT, ignore_unhandled_usr1
-from pimm.engines.default_hooks import hook_order_lines
-from pimm.engines.prepare import prepare_config  # noqa: F401  (also importable from here)
+from pimm.engines.loop.default_hooks import hook_order_lines
+from pimm.engines.loop.prepare import prepare_config  # noqa: F401  (also importable from here)
 from pimm.engines.registries import TRAINERS
-from pimm.engines.resume_config import differences, resume_config, run_dir_options
-from pimm.engines.run_dir import AttemptRecord, guard_fresh_run, test_source, write_config
-from pimm.engines.run_records import apply_launch_command
-from pimm.engines.run_summary import log_summary, resume_command
-from pimm.engines.runtime import apply_runtime_defaults
-from pimm.engines.tracing import build_tracer
+from pimm.engines.run.resume_config import differences, resume_config, run_dir_options
+from pimm.engines.run.run_dir import AttemptRecord, guard_fresh_run, test_source, write_config
+from pimm.engines.run.run_records import apply_launch_command
+from pimm.engines.loop.run_summary import log_summary, resume_command
+from pimm.engines.run.runtime import apply_runtime_defaults
+from pimm.engines.observe.tracing import build_tracer
 from pimm.utils import comm
 from pimm.utils.config import Config
 from pimm.utils.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, ConfigError,
@@ -108,7 +108,7 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     order). ``check_save_path``: refuse a fresh run over an earlier one's results
     (the launcher does it itself once it holds the run lock). A resume runs
     the file, the options the run was started with (recorded in its
-    ``config.py``) and ``options`` (:mod:`pimm.engines.resume_config`)."""
+    ``config.py``) and ``options`` (:mod:`pimm.engines.run.resume_config`)."""
     cfg = Config.fromfile(config_file)
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
@@ -138,7 +138,7 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
 
 def build_trainer(cfg, mode: str = "train", hooks=None, tracer=None):
     """The trainer ``cfg.train`` names, built with its options (``mode="test"``:
-    the :class:`~pimm.engines.testers.Tester` instead, see :func:`build_tester`).
+    the :class:`~pimm.engines.loop.testers.Tester` instead, see :func:`build_tester`).
     ``hooks``: those :func:`load_config` built (None: the trainer prepares the
     config itself)."""
     if mode == "test":
@@ -148,9 +148,9 @@ def build_trainer(cfg, mode: str = "train", hooks=None, tracer=None):
 
 
 def build_tester(cfg, hooks=None):
-    """The :class:`~pimm.engines.testers.Tester` for ``cfg`` (``tools/test.py``,
+    """The :class:`~pimm.engines.loop.testers.Tester` for ``cfg`` (``tools/test.py``,
     ``test_only=True``), collating as the trainer ``cfg.train`` names."""
-    from pimm.engines.testers import Tester
+    from pimm.engines.loop.testers import Tester
 
     options = {k: v for k, v in dict(cfg.train).items() if k in ("collate_fn", "val_collate_fn")}
     return Tester(cfg, hooks=hooks, **options)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from pimm.engines.run_records import write_run_records
+from pimm.engines.run.run_records import write_run_records
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import append_jsonl, read_jsonl, set_aside
 
@@ -63,7 +63,7 @@ def guard_fresh_run(cfg) -> None:
 def write_config(cfg) -> Path:
     """Write the resolved config to ``save_path/config.py`` (rank 0), and beside it
     upstream's ``resolved_config.json`` / ``run_metadata.json``
-    (:mod:`pimm.engines.run_records`). A resume of the same run rewrites it in
+    (:mod:`pimm.engines.run.run_records`). A resume of the same run rewrites it in
     place; any other difference keeps the earlier file beside it."""
     from pimm.utils.config import Config
 
@@ -110,7 +110,7 @@ def _dump_record(cfg, path: Path, same_run: bool) -> None:
 def _git_info(root: Path | None = None) -> dict | None:
     """Commit, dirty flag and a hash of the uncommitted diff of the checkout
     pimm runs from, or of ``root`` (None outside a git checkout)."""
-    root = Path(__file__).resolve().parents[2] if root is None else Path(root)
+    root = Path(__file__).resolve().parents[3] if root is None else Path(root)
     if not (root / ".git").exists():
         return None
 

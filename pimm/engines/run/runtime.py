@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pimm.engines.compile import DEFAULT_COMPILE, check_compile
-from pimm.engines.default_hooks import DEFAULT_HOOKS, check_default_hooks, fill_default_hooks
-from pimm.engines.parallel import DEFAULT_PARALLEL, check_parallel
+from pimm.engines.optim.compile import DEFAULT_COMPILE, check_compile
+from pimm.engines.loop.default_hooks import DEFAULT_HOOKS, check_default_hooks, fill_default_hooks
+from pimm.engines.run.parallel import DEFAULT_PARALLEL, check_parallel
 from pimm.engines.state.weight_source import check_weight_option
-from pimm.engines.wandb_options import WANDB_KEYS, check_wandb_keys
+from pimm.engines.observe.wandb_options import WANDB_KEYS, check_wandb_keys
 from pimm.utils.domains import MAX_COUNT, Signal, show
 from pimm.utils.errors import ConfigError
 from pimm.utils.extras import require
@@ -186,7 +186,7 @@ def _choice_or_none(*choices):
 
 
 def _structured_logging(key, value):
-    from pimm.engines.tracing import validate_options
+    from pimm.engines.observe.tracing import validate_options
 
     return validate_options(value)
 
@@ -364,7 +364,7 @@ def check_required(cfg, mode: str) -> None:
                        "optimizer": "optimizer = dict(type='AdamW', lr=1e-3)"}[key]
             raise ConfigError(f"the config has no `{key}`: add e.g. {example}")
         if key == "optimizer":
-            from pimm.engines.optim_parts import optimizer_parts
+            from pimm.engines.optim.parts import optimizer_parts
 
             if optimizer_parts(cfg[key]):  # one optimizer per model part, each dict(type=...)
                 continue
@@ -378,7 +378,7 @@ def check_required(cfg, mode: str) -> None:
 def render_default_runtime() -> str:
     """The text of ``pimm/configs/_base_/default_runtime.py``."""
     lines = [
-        "# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py by",
+        "# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/run/runtime.py by",
         "# tools/write_default_runtime.py; a config without _base_ gets the same values from the",
         "# engine. Edit the table there, not this file. Any config names it as",
         "# _base_ = \"pimm://_base_/default_runtime.py\" (docs/config.md).",

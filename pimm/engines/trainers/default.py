@@ -20,14 +20,14 @@ from pimm.engines import data as data_lib
 from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.evaluator import EvaluatorBase
-from pimm.engines.metrics import MetricChannel
-from pimm.engines.oom_backoff import OOMBackoff
-from pimm.engines.optim_parts import part_participants
-from pimm.engines.optim_step import OptimStep
-from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
+from pimm.engines.observe.metrics import MetricChannel
+from pimm.engines.optim.oom_backoff import OOMBackoff
+from pimm.engines.optim.parts import part_participants
+from pimm.engines.optim.step import OptimStep
+from pimm.engines.run.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
-from pimm.engines.runtime import apply_process_settings
+from pimm.engines.run.runtime import apply_process_settings
 from pimm.engines.state import CheckpointManager, atomic_torch_save, load_weights, restore_latest
 from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
                                              OptimizerParticipant, RNGParticipant, SchedulerParticipant,
@@ -35,8 +35,8 @@ from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant
 from pimm.engines.state.restore import flatten_config
 from pimm.engines.state.resume_from import is_checkpoint_choice, restore_from
 from pimm.engines.state.sharded import ShardedModelParticipant, ShardedOptimizerParticipant
-from pimm.engines.sync_points import host_sync
-from pimm.engines.trainer_base import TrainerBase
+from pimm.engines.loop.sync_points import host_sync
+from pimm.engines.loop.trainer_base import TrainerBase
 from pimm.engines.trainers.builders import ComponentBuilders
 from pimm.engines.trainers.evaluation import Evaluation
 from pimm.utils import comm
@@ -61,14 +61,14 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         and stop requests when distributed (one tiny all-reduce each).
     oom_backoff: None (default), or ``dict(max_splits=N)``: redo a step that ran out
         of GPU memory with its batches split into halves, quarters, ... (single
-        process; see :mod:`pimm.engines.oom_backoff`).
+        process; see :mod:`pimm.engines.optim.oom_backoff`).
 
     ``hooks``: the built hooks (the CLI builds them while preparing the
     config, so their ``modify_config`` runs first); None prepares the config
-    here with :func:`pimm.engines.launch.prepare_config`, the CLI's order.
+    here with :func:`pimm.engines.run.launch.prepare_config`, the CLI's order.
     ``__init__`` is its phases: :meth:`configure_process`,
     :meth:`build_components`, :meth:`register_state`, :meth:`wire_hooks`.
-    Testing is :class:`pimm.engines.testers.Tester`'s job, not a mode.
+    Testing is :class:`pimm.engines.loop.testers.Tester`'s job, not a mode.
     """
 
     domains = dict(hooks=Anything("the built hooks, passed by the launcher"), collate_fn=CollateFn,
@@ -86,7 +86,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             self.tracer = tracer
         self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
         if hooks is None:  # built from Python: the start-up order of the command line
-            from pimm.engines.launch import prepare_config
+            from pimm.engines.run.launch import prepare_config
             hooks = prepare_config(cfg, self.world_size)
         self.cfg = cfg
         self.options = dict(collate_fn=collate_fn, val_collate_fn=val_collate_fn, iters_per_epoch=iters_per_epoch,
@@ -178,7 +178,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
         else:
             track("model", ModelParticipant(self.model_without_ddp))
-        if self.optim_parts:  # optimizer/<part>, scheduler/<part>, scaler/<part> (pimm.engines.optim_parts)
+        if self.optim_parts:  # optimizer/<part>, scheduler/<part>, scaler/<part> (pimm.engines.optim.parts)
             for name, participant, scope in part_participants(self.optim_parts, self.model_without_ddp, fsdp):
                 track(name, participant, scope=scope)
         else:
