@@ -39,12 +39,10 @@ The module imports only the standard library.
 from __future__ import annotations
 
 import atexit
-import difflib
 import json
 import logging
 import math
 import os
-import re
 import socket
 import threading
 import time
@@ -53,6 +51,8 @@ from pathlib import Path
 from time import perf_counter_ns
 
 from pimm.utils.errors import ConfigError
+from pimm.engines.observe.trace_options import TRACE_DIR, TRACING_DEFAULTS, trace_files, validate_options
+from pimm.engines.observe.null_tracer import NULL_TRACER, NullTracer  # noqa: F401
 
 __all__ = [
     "TRACING_DEFAULTS",
@@ -64,84 +64,7 @@ __all__ = [
     "validate_options",
 ]
 
-TRACE_DIR = "trace"
-TRACING_DEFAULTS = dict(
-    enabled=False,
-    trace_hooks=False,  # one span per hook call as well as per hook phase (read by the loop)
-    batch_stats_every=1,  # a "batch" counter every N steps; 0 = never (read by the loop)
-    max_bytes=32 * 1024 * 1024,  # rotate a rank's file past this size
-    max_files=20,  # per rank; the oldest are deleted
-    flush_every_s=1.0,  # short spans reach the file at least this often
-)
-_FILE_RE = re.compile(r"^rank(\d{5,})-(\d{4,})\.jsonl$")
 _logger = logging.getLogger("pimm")
-
-
-def trace_files(trace_dir: str | Path, rank: int | None = None) -> list[tuple[int, int, Path]]:
-    """``(rank, seq, path)`` of the trace files in ``trace_dir``, sorted by rank then seq."""
-    found = []
-    directory = Path(trace_dir)
-    if not directory.is_dir():
-        return found
-    for path in directory.iterdir():
-        match = _FILE_RE.match(path.name)
-        if match and (rank is None or int(match.group(1)) == rank):
-            found.append((int(match.group(1)), int(match.group(2)), path))
-    return sorted(found)
-
-
-class NullTracer:
-    """Tracing switched off: every call does nothing (``now`` is the builtin
-    ``float``, so it returns 0.0 without a Python frame)."""
-
-    enabled = False
-    step = 0
-    epoch = 0
-    trace_hooks = False
-    batch_stats_every = 0
-    now = staticmethod(float)
-
-    def complete(self, name, t0, args=None, thread=None):
-        """Does nothing (:meth:`Tracer.complete` when tracing is on)."""
-        return 0.0
-
-    def span(self, name, **args):
-        """Does nothing (:meth:`Tracer.span` when tracing is on)."""
-        return _NULL_SPAN
-
-    def long_span(self, name, **args):
-        """Does nothing (:meth:`Tracer.long_span` when tracing is on)."""
-        return _NULL_SPAN
-
-    def begin(self, name, **args):
-        """Does nothing (:meth:`Tracer.begin` when tracing is on)."""
-
-    def end(self, name, **args):
-        """Does nothing (:meth:`Tracer.end` when tracing is on)."""
-
-    def instant(self, name, **args):
-        """Does nothing (:meth:`Tracer.instant` when tracing is on)."""
-
-    def counter(self, name, **values):
-        """Does nothing (:meth:`Tracer.counter` when tracing is on)."""
-
-    def flush(self):
-        """Does nothing (:meth:`Tracer.flush` when tracing is on)."""
-
-    def close(self):
-        """Does nothing (:meth:`Tracer.close` when tracing is on)."""
-
-
-class _NullSpan:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_SPAN = _NullSpan()
-NULL_TRACER = NullTracer()
 
 
 class Tracer:
@@ -454,49 +377,6 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-# -- configuration --------------------------------------------------------------
-def _check(key: str, value, ok: bool, need: str) -> None:
-    if not ok:
-        raise ConfigError(f"structured_logging.{key}={value!r} is invalid: it must be {need}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def validate_options(options) -> dict:
-    """``structured_logging`` merged over the defaults, each key checked; raises ConfigError."""
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        raise ConfigError(
-            f"structured_logging must be a dict such as dict(enabled=True), got {type(options).__name__}"
-        )
-    for key in options:
-        if key not in TRACING_DEFAULTS:
-            near = difflib.get_close_matches(str(key), TRACING_DEFAULTS, n=1)
-            hint = f"; did you mean structured_logging.{near[0]}?" if near else ""
-            raise ConfigError(
-                f"structured_logging.{key} is not an option (known: {', '.join(TRACING_DEFAULTS)}){hint}"
-            )
-    merged = {**TRACING_DEFAULTS, **options}
-    for key in ("enabled", "trace_hooks"):
-        _check(key, merged[key], isinstance(merged[key], bool), "True or False")
-    value = merged["batch_stats_every"]
-    _check("batch_stats_every", value, _is_int(value) and value >= 0, "an integer >= 0 (0: no batch statistics)")
-    value = merged["max_bytes"]
-    _check("max_bytes", value, _is_int(value) and value >= 4096, "an integer number of bytes >= 4096")
-    value = merged["max_files"]
-    _check("max_files", value, _is_int(value) and value >= 1, "an integer >= 1")
-    value = merged["flush_every_s"]
-    _check(
-        "flush_every_s", value,
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-        "a number of seconds > 0",
-    )
-    return merged
 
 
 def build_tracer(
