@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset, default_collate
 
-from pimm.engines import data as data_lib
+from pimm.engines.run import data as data_lib
 from pimm.engines.optim.compile import compile_model
 from pimm.engines.optim.grad_checkpoint import apply_gradient_checkpointing
 from pimm.engines.optim.optimizers import build_optimizer

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pimm.engines import data as data_lib
+from pimm.engines.run import data as data_lib
 from pimm.engines.run.parallel import shard_model
 from pimm.engines.registries import TRAINERS
 from pimm.engines.optim.scheduler import build_scheduler
