@@ -73,6 +73,7 @@ class MetricsWriter(SummaryWriterCalls):
         self.wandb_init = dict(wandb_init or {})
         self.logger = logger or logging.getLogger("pimm")
         self._jsonl = None
+        self._unsynced: list[int] = []  # dup'd descriptors of metrics.jsonl awaiting their fsync
         self._tb = None
         self._wandb_run = None
         self._purge_step: int | None = None
@@ -153,6 +154,23 @@ class MetricsWriter(SummaryWriterCalls):
             self.wandb_run_id = self._wandb_run.id  # wandb_run_id, when set, wins: checkpoints carry it
 
     # -- resume ---------------------------------------------------------
+    #: When True, :meth:`state_dict` leaves the fsync of ``metrics.jsonl`` to
+    #: :meth:`sync_pending`, which the trainer hands to its checkpoint manager
+    #: (``before_commit``): the disk wait then happens on the checkpoint's writer
+    #: thread, still before the checkpoint that records the file's length commits,
+    #: instead of blocking the training step.
+    defer_fsync = False
+
+    def sync_pending(self) -> None:
+        """fsync ``metrics.jsonl`` as far as the last :meth:`state_dict` wrote it
+        (safe from another thread: each state_dict handed over its own descriptor)."""
+        while self._unsynced:
+            fd = self._unsynced.pop()
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
     def state_dict(self) -> dict:
         """The resume point: bytes of ``metrics.jsonl``, last step, W&B run id.
         The open dashboard window is written out here, so that a resumed run
@@ -160,7 +178,10 @@ class MetricsWriter(SummaryWriterCalls):
         if self._jsonl is not None:
             self._emit(self._window.close())
             self._jsonl.flush()
-            os.fsync(self._jsonl.fileno())
+            if self.defer_fsync:  # done by the checkpoint's writer before its commit (sync_pending)
+                self._unsynced.append(os.dup(self._jsonl.fileno()))
+            else:
+                os.fsync(self._jsonl.fileno())
         path = self.save_path / METRICS_FILE
         return {
             "jsonl_bytes": path.stat().st_size if self.is_main and path.exists() else 0,
@@ -219,6 +240,7 @@ class MetricsWriter(SummaryWriterCalls):
 
     def close(self) -> None:
         """Write the open dashboard window, then close every sink."""
+        self.sync_pending()
         if self._jsonl is not None:
             self._emit(self._window.close())
             self._jsonl.close()

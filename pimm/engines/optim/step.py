@@ -116,7 +116,8 @@ class OptimStep:
         self.optimizer.zero_grad(set_to_none=True)
         if stepped:
             self.updates += 1
-            if self.scheduler is not None and self.updates % self.scheduler_interval == 0:
+            if self.scheduler is not None and (self.scheduler_interval == 1 or
+                                               self.updates % self.scheduler_interval == 0):
                 self.scheduler.step()
         return StepResult(grad_norm, stepped, lr)
 

@@ -55,7 +55,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pimm.engines.state.checkpoint_loading import CheckpointLoading
 from pimm.engines.state.participants import as_participant
@@ -105,6 +105,10 @@ class CheckpointManager(CheckpointLoading):
         self._per_rank: dict[str, Any] = {}
         self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
+        #: Called on rank 0's writer (thread) just before the manifest commits a
+        #: checkpoint: work the checkpoint depends on that need not block training
+        #: (the fsync of metrics.jsonl, whose length the checkpoint records).
+        self.before_commit: list[Callable[[], None]] = []
         self.snapshot_buffers = SnapshotBuffers()  # pinned host buffers for CUDA states, reused across saves
         # The opt-in (trust_checkpoint_code) for checkpoints written before states were plain data:
         # a file refused as data is then loaded in full, with a warning (pimm.engines.state.safe_load).
@@ -274,6 +278,8 @@ class CheckpointManager(CheckpointLoading):
         if "sharded" in manifest:  # DCP's .metadata, and any shard file no rank claimed
             files.update(_entries(tmp, [p for p in sorted((tmp / SHARDED_DIR).rglob("*"))
                                         if p.is_file() and p.relative_to(tmp).as_posix() not in files]))
+        for prepare in self.before_commit:
+            prepare()
         _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
         _fsync_dir(tmp)
         check_held(self.directory)  # never commit into a directory another run took over (exit 2)

@@ -154,6 +154,9 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
                                             scheduler_interval=cfg.get("scheduler_interval", 1))
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
+            if hasattr(self.writer, "sync_pending"):  # metrics.jsonl's fsync off the training thread
+                self.writer.defer_fsync = True
+                self.checkpointer.before_commit.append(self.writer.sync_pending)
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
         self.writer.channel = self.metrics  # upstream's trainer.writer.add_scalar publishes here
         self.control = StopControl(cfg.preempt_signals, check_every=stop_check_every)
@@ -225,7 +228,9 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
         """The next training batch, on the device; the time it took is ``time/data``."""
         start = time.perf_counter()
         tracer = self.tracer
-        t = tracer.now()
+        traced = tracer.enabled  # off: no tracer call at all (each no-op call still costs one)
+        if traced:
+            t = tracer.now()
         try:
             batch = next(self._data_iter)
         except StopIteration:
@@ -233,9 +238,11 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
                 f"the training data ran out after {self.iter} of {self.iters_per_epoch} steps in epoch "
                 f"{self.epoch + 1}; lower train.iters_per_epoch or fix the data set's length"
             ) from None
-        t = tracer.complete("data_fetch", t)
+        if traced:
+            t = tracer.complete("data_fetch", t)
         batch = self.to_device(batch)
-        tracer.complete("batch_to_device", t)
+        if traced:
+            tracer.complete("batch_to_device", t)
         self._data_time += time.perf_counter() - start
         return batch
 
@@ -291,6 +298,7 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
         optim_step = self.optim_step
         step_loss = None
         tracer = self.tracer
+        traced = tracer.enabled  # off: the step makes no tracer call at all
         kept = [] if self.oom_backoff is not None else None  # the step's batches, to redo them after an OOM
         sizes = []  # (points, events) of point-cloud batches, for train/avg_pts
         try:
@@ -300,28 +308,35 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
                 if kept is not None:
                     kept.append(batch)
                 with optim_step.sync(last=micro == accum - 1):
-                    t = tracer.now()
+                    if traced:
+                        t = tracer.now()
                     output = self.forward(batch)
                     loss = output["loss"] / accum if accum > 1 else output["loss"]
-                    t = tracer.complete("forward", t)
+                    if traced:
+                        t = tracer.complete("forward", t)
                     optim_step.backward(loss)
-                    tracer.complete("backward", t)
+                    if traced:
+                        tracer.complete("backward", t)
                 step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         except torch.OutOfMemoryError as oom:
             if kept is None:
                 raise
             output = loss = None  # the failed attempt's graph must not outlive it
             batch, output, step_loss = self.oom_backoff.redo_step(self, kept, oom)
-        avg_pts = data_lib.points_per_sample(sizes)
-        if avg_pts is not None and isinstance(output, dict):
-            output = {**output, "avg_pts": avg_pts}  # logged with the model's scalars, as upstream
+        if sizes[0] is not None:  # point-cloud batches: train/avg_pts (no work for other data)
+            avg_pts = data_lib.points_per_sample(sizes)
+            if avg_pts is not None and isinstance(output, dict):
+                output = {**output, "avg_pts": avg_pts}  # logged with the model's scalars, as upstream
         # Visible to after_backward hooks (called inside step()) and after_step hooks.
         info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
-        t = tracer.now()
-        self.step_result = optim_step.step()
-        tracer.complete("optimizer", t)
+        if traced:
+            t = tracer.now()
+            self.step_result = optim_step.step()
+            tracer.complete("optimizer", t)
+        else:
+            self.step_result = optim_step.step()
         self.publish_step(step_loss, self.step_result, output)
-        if tracer.batch_stats_every and tracer.step % tracer.batch_stats_every == 0:
+        if traced and tracer.batch_stats_every and tracer.step % tracer.batch_stats_every == 0:
             tracer.counter("batch", **batch_stats(batch, self.batch_size_per_rank * accum))
 
     def publish_step(self, loss: torch.Tensor, result, output: dict | None = None) -> None:
