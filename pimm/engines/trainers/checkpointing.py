@@ -196,6 +196,9 @@ class Checkpointing:
             atomic_torch_save(payload, self.save_path / "model" / name)
 
     def finish(self, stopped: bool) -> None:
+        """End of training: the final evaluation when due (not after a pre-emption
+        or Ctrl-C); after a stop, a final checkpoint committed on every rank
+        before any exits; then the metrics flushed and the last write waited for."""
         control = self.control
         # A pre-empted job has no time to spare, and Ctrl-C asks to end now.
         if self.cfg.evaluate and not control.preempted and not control.interrupted:
