@@ -28,7 +28,7 @@ from pimm.utils.errors import ConfigError, DataSampleError
 from pimm.utils.rng import derive_seed, seed_cpu_streams
 
 __all__ = ["SeededDataset", "build_train_loader", "build_eval_loader", "worker_init_fn", "shutdown_loader",
-           "train_sampler", "stream_batches_per_rank", "point_batch_size", "points_per_sample"]
+           "train_sampler", "stream_batches_per_rank", "point_batch_size", "points_per_sample", "batch_stats"]
 
 # torchdata calls a deprecated torch API on every loader construction; the
 # warning is torchdata's to fix and says nothing to a pimm user.
@@ -231,3 +231,16 @@ def points_per_sample(sizes: list):
         return None
     points = sizes[0][0] if len(sizes) == 1 else torch.stack([p for p, _ in sizes]).sum()
     return points / sum(events for _, events in sizes)  # true division: a float tensor
+
+
+def batch_stats(batch, samples: int) -> dict:
+    """What a ``batch`` trace counter records: samples, and for point-cloud batches
+    (an ``offset`` of cumulative event ends, see docs/contract.md) the points."""
+    stats = {"samples": samples}
+    offset = batch.get("offset") if isinstance(batch, dict) else None
+    if isinstance(offset, torch.Tensor) and offset.numel():
+        coord = batch.get("coord")
+        # The points are coord's rows: a shape, where reading offset[-1] would make the
+        # host wait for the device at every traced step.
+        stats["points"] = coord.shape[0] if isinstance(coord, torch.Tensor) else int(offset[-1])
+    return stats

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pimm.engines.run import data as data_lib
+from pimm.engines.run.data import batch_stats  # noqa: F401  (gan.py and plug-ins import it from here)
 from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.evaluator import EvaluatorBase
@@ -337,7 +338,7 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
             self.step_result = optim_step.step()
         self.publish_step(step_loss, self.step_result, output)
         if traced and tracer.batch_stats_every and tracer.step % tracer.batch_stats_every == 0:
-            tracer.counter("batch", **batch_stats(batch, self.batch_size_per_rank * accum))
+            tracer.counter("batch", **data_lib.batch_stats(batch, self.batch_size_per_rank * accum))
 
     def publish_step(self, loss: torch.Tensor, result, output: dict | None = None) -> None:
         """This step's scalars: ``train/loss``, ``train/lr`` (the rate the step used),
@@ -399,17 +400,3 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
             for loader in (self.train_loader, self._val_loader, self._test_loader):
                 if loader is not None:
                     data_lib.shutdown_loader(loader)
-
-
-
-def batch_stats(batch, samples: int) -> dict:
-    """What a ``batch`` trace counter records: samples, and for point-cloud batches
-    (an ``offset`` of cumulative event ends, see docs/contract.md) the points."""
-    stats = {"samples": samples}
-    offset = batch.get("offset") if isinstance(batch, dict) else None
-    if isinstance(offset, torch.Tensor) and offset.numel():
-        coord = batch.get("coord")
-        # The points are coord's rows: a shape, where reading offset[-1] would make the
-        # host wait for the device at every traced step.
-        stats["points"] = coord.shape[0] if isinstance(coord, torch.Tensor) else int(offset[-1])
-    return stats
