@@ -26,7 +26,7 @@ from pimm.engines.observe.writers import MetricsWriter
 from pimm.utils.config_dict import to_plain
 from pimm.utils.errors import ConfigError
 
-__all__ = ["ComponentBuilders"]
+__all__ = ["ComponentBuilders", "no_autocast"]
 
 
 class ComponentBuilders:
@@ -259,8 +259,7 @@ class ComponentBuilders:
 
     def _build_autocast(self):
         if not self.cfg.enable_amp:
-            null = contextlib.nullcontext()  # stateless: one instance for every forward pass
-            return lambda: null
+            return no_autocast
         dtype = getattr(torch, self.cfg.amp_dtype)
         return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
 
@@ -272,6 +271,15 @@ class ComponentBuilders:
             wandb_init=wandb_init_options(cfg, self.save_path, config=to_plain(cfg)) if cfg.use_wandb else None,
             logger=self.logger,
         )
+
+
+_NULL_CONTEXT = contextlib.nullcontext()  # stateless: one instance for every forward pass
+
+
+def no_autocast():
+    """``trainer.autocast()`` when AMP is off: a context that does nothing (the
+    training forward skips even entering it, see ``DefaultTrainer.forward``)."""
+    return _NULL_CONTEXT
 
 
 def _with_mix_prob(collate, mix_prob: float):

@@ -30,7 +30,7 @@ from pimm.engines.hooks.memory import EmptyCache
 from pimm.engines.run.runtime import apply_process_settings
 from pimm.engines.state import CheckpointManager
 from pimm.engines.loop.trainer_base import TrainerBase
-from pimm.engines.trainers.builders import ComponentBuilders
+from pimm.engines.trainers.builders import ComponentBuilders, no_autocast
 from pimm.engines.trainers.checkpointing import Checkpointing
 from pimm.engines.trainers.evaluation import Evaluation
 from pimm.utils import comm
@@ -253,6 +253,8 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
         """The model's training forward pass (under autocast when AMP is on)."""
         if self._first_forward:
             return self._first_forward_checked(batch)
+        if self.autocast is no_autocast:  # AMP off: no context to enter on every step
+            return self.model(batch)
         with self.autocast():
             return self.model(batch)
 
