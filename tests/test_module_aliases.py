@@ -80,3 +80,9 @@ def test_a_fresh_interpreter_resolves_old_paths_before_anything_else_is_imported
 def test_unknown_names_still_fail_as_before():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pimm.engines.no_such_module")
+
+
+def test_python_dash_m_runs_a_command_by_its_old_path():
+    done = subprocess.run([sys.executable, "-m", "pimm.tools.submit", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=str(PACKAGE_ROOT.parent))
+    assert done.returncode == 0 and "usage: pimm submit" in done.stdout, done.stderr[-2000:]

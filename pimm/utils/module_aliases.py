@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 
 __all__ = ["MOVED", "install"]
@@ -56,6 +57,15 @@ class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec):
         return importlib.import_module(self.new_name)
 
+    def get_code(self, fullname):
+        """The new module's code, for ``python -m <old path>`` (runpy runs it as ``__main__``)."""
+        spec = importlib.util.find_spec(self.new_name)
+        return spec.loader.get_code(self.new_name)
+
+    def is_package(self, fullname):
+        """Whether the new module is a package (runpy asks before running it)."""
+        return importlib.util.find_spec(self.new_name).submodule_search_locations is not None
+
     def exec_module(self, module):
         # The import system stamped the old name's spec on the shared module;
         # the module's own spec (its real file) is the truthful one.
@@ -72,7 +82,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         module = importlib.import_module(new_name)
         # Remember the real spec before the import system overwrites __spec__.
         module.__dict__.setdefault("__real_spec__", module.__spec__)
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new_name), is_package=hasattr(module, "__path__"))
+        real = module.__dict__["__real_spec__"]
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new_name), origin=real.origin,
+                                              is_package=hasattr(module, "__path__"))
 
 
 _FINDER = _AliasFinder()
