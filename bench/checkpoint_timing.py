@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import pimm.datasets, pimm.evaluation, pimm.models  # noqa: E402,F401,E401  (registers every data set, model, evaluator, hook and trainer)
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.logger import setup_logger  # noqa: E402
 
 RING_CONFIG = ROOT / "configs" / "rings" / "cls-cnn.py"

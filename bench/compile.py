@@ -43,7 +43,7 @@ sys.path.insert(0, {root!r})
 import logging
 import pimm.datasets, pimm.evaluation, pimm.models  # registers what the config names
 from pimm.engines.hooks import HookBase
-from pimm.engines.launch import build_trainer, load_config
+from pimm.engines.run.launch import build_trainer, load_config
 from pimm.utils.logger import setup_logger
 
 class StepClock(HookBase):

@@ -23,7 +23,7 @@ Rows (each prints ``ok``/``FAIL``/``skipped`` and its figures):
   (DefaultTrainer, InsegTrainer, GRPOTrainer, 100 steps each, default hooks
   plus an evaluator and checkpoints) under ``torch.cuda.set_sync_debug_mode
   ("error")`` for the whole of ``train()``, except inside the moments the
-  engine marks as syncing by design (:mod:`pimm.engines.sync_points`: metric
+  engine marks as syncing by design (:mod:`pimm.engines.loop.sync_points`: metric
   flush, evaluation, checkpoint, GRPO rollout).
 
 Without a GPU every CUDA row is skipped with its reason and the script still
@@ -105,7 +105,7 @@ def build_in_process(config: Path, options: list[str], extra_hooks=()):
     import pimm.datasets  # noqa: F401  (registers what configs name)
     import pimm.evaluation  # noqa: F401
     import pimm.models  # noqa: F401
-    from pimm.engines.launch import build_trainer, load_config
+    from pimm.engines.run.launch import build_trainer, load_config
     from pimm.utils.logger import setup_logger
 
     cfg, hooks = load_config(str(config), options, world_size=1)
@@ -211,7 +211,7 @@ def row_fsdp(workdir: Path) -> str:
     need_cuda()
     import torch.distributed as dist
 
-    from pimm.engines.parallel import ParallelConfig, shard_model
+    from pimm.engines.run.parallel import ParallelConfig, shard_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -1,6 +1,6 @@
 """Cost of pimm's resumable training loader against a plain DataLoader.
 
-pimm trains from ``pimm.engines.data.build_train_loader``: torchdata's
+pimm trains from ``pimm.engines.run.data.build_train_loader``: torchdata's
 StatefulDataLoader over a StatefulRandomSampler, with the data set wrapped
 in SeededDataset (in a worker, every sample re-seeds the global RNGs from its
 key so augmentations replay exactly after a resume). This script measures
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, default_collate  # noqa: E402
 
 from pimm.datasets.rings import CherenkovRingDataset  # noqa: E402
-from pimm.engines.data import build_train_loader, shutdown_loader  # noqa: E402
+from pimm.engines.run.data import build_train_loader, shutdown_loader  # noqa: E402
 from pimm.utils.rng import capture_rng_state, restore_rng_state  # noqa: E402
 from tests.support.toy import ToyDataset  # noqa: E402
 

@@ -59,7 +59,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import pimm.engines  # noqa: E402,F401  (registers DefaultTrainer and the built-in hooks)
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.registries import DATASETS, MODELS  # noqa: E402
 from pimm.utils.logger import setup_logger  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What structured tracing (``pimm.engines.tracing``) costs on the training thread.
+"""What structured tracing (``pimm.engines.observe.tracing``) costs on the training thread.
 
 Three measurements, each side by side in one process, rounds interleaved,
 medians reported; CPU time (``process_time``: every thread of the process,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pimm.engines.tracing import NULL_TRACER, Tracer  # noqa: E402
+from pimm.engines.observe.tracing import NULL_TRACER, Tracer  # noqa: E402
 
 SPANS = ("step", "data_fetch", "batch_to_device", "before_step", "forward", "backward", "optimizer", "after_step")
 

@@ -6,6 +6,11 @@ load on first use, so ``import pimm`` stays light.
 
 __version__ = "0.1.0"
 
+from pimm.utils.module_aliases import install as _install_module_aliases
+
+# Modules that moved (pimm.engines.scheduler -> pimm.engines.optim.scheduler...) still import by their old paths.
+_install_module_aliases()
+
 _LAZY = {"from_pretrained": "pimm.models.pretrained", "save_pretrained": "pimm.models.pretrained"}
 
 

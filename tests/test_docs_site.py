@@ -28,11 +28,11 @@ KEY_PAGES = [
 ]
 # Objects each API page must render (mkdocstrings anchors them by their import path).
 API_OBJECTS = {
-    "api/trainers.html": ["pimm.engines.trainer_base.TrainerBase", "pimm.engines.trainers.default.DefaultTrainer",
+    "api/trainers.html": ["pimm.engines.loop.trainer_base.TrainerBase", "pimm.engines.trainers.default.DefaultTrainer",
                           "pimm.engines.trainers.grpo.GRPOTrainer"],
     "api/hooks.html": ["pimm.engines.hooks.base.HookBase", "pimm.engines.hooks.evaluator.EvaluatorBase"],
-    "api/optim-step.html": ["pimm.engines.optim_step.OptimStep"],
-    "api/metrics.html": ["pimm.engines.metrics.MetricChannel"],
+    "api/optim-step.html": ["pimm.engines.optim.step.OptimStep"],
+    "api/metrics.html": ["pimm.engines.observe.metrics.MetricChannel"],
     "api/checkpoints.html": ["pimm.engines.state.manager.CheckpointManager"],
     "api/config.html": ["pimm.utils.config.Config"],
     "api/registry.html": ["pimm.utils.registry.Registry"],
@@ -82,7 +82,7 @@ def test_the_api_reference_is_rendered_from_the_docstrings(site):
     # reST roles in docstrings become links or code, never raw markup
     trainers = (site / "api" / "trainers.html").read_text()
     assert ":class:" not in trainers and ":meth:" not in trainers
-    assert 'href="#pimm.engines.trainer_base.TrainerBase"' in trainers
+    assert 'href="#pimm.engines.loop.trainer_base.TrainerBase"' in trainers
 
 
 def test_the_cli_reference_is_current():

@@ -77,3 +77,14 @@ def test_the_check_sees_an_undocumented_method():
             pass
     assert [name for name, _ in _own_members(Probe)] == ["undocumented_extension_point"]
     assert not inspect.getdoc(Probe.undocumented_extension_point)
+
+
+def test_the_walk_covers_every_engine_subpackage():
+    names = {module.__name__ for module in _engine_modules()}
+    for package in ("loop", "optim", "run", "observe", "hooks", "trainers", "state"):
+        assert f"pimm.engines.{package}" in names
+        assert any(name.startswith(f"pimm.engines.{package}.") for name in names), package
+    # Every subpackage says what it owns (its docstring names its modules).
+    for package in ("loop", "optim", "run", "observe"):
+        module = next(m for m in _engine_modules() if m.__name__ == f"pimm.engines.{package}")
+        assert module.__doc__ and len(module.__doc__.split()) > 40, package

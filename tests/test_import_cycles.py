@@ -18,6 +18,9 @@ What counts as an edge ``A -> B`` (both modules of ``pimm``):
   the submodule, is a cycle: submodules import their siblings directly;
 * relative imports are resolved against the importing module's package.
 
+* an old path of a moved module (``pimm.engines.scheduler``, kept importable by
+  :mod:`pimm.utils.module_aliases`) is an edge to the module it now names.
+
 Imports by string (``importlib.import_module``) are not followed.
 """
 
@@ -27,6 +30,7 @@ import ast
 from pathlib import Path
 
 import pimm
+from pimm.utils.module_aliases import MOVED
 
 PACKAGE_ROOT = Path(pimm.__file__).resolve().parent
 
@@ -71,8 +75,19 @@ def _existing(name: str, modules: dict) -> str | None:
     return name or None
 
 
-def import_graph(package_dir: Path) -> tuple[dict[str, dict[str, list[int]]], dict]:
+def _current(name: str, moved: dict[str, str]) -> str:
+    """``name`` with an old path of a moved module (or of a package above it) replaced by the new one."""
+    head = name
+    while head:
+        if head in moved:
+            return moved[head] + name[len(head):]
+        head = head.rpartition(".")[0]
+    return name
+
+
+def import_graph(package_dir: Path, moved: dict[str, str] | None = None) -> tuple[dict[str, dict[str, list[int]]], dict]:
     """module -> {imported module: [line numbers]} for imports within the package."""
+    moved = MOVED if moved is None else moved
     modules = module_files(package_dir)
     top = package_dir.name
     graph: dict[str, dict[str, list[int]]] = {}
@@ -81,7 +96,7 @@ def import_graph(package_dir: Path) -> tuple[dict[str, dict[str, list[int]]], di
         edges = graph.setdefault(name, {})
         for node in import_nodes(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
-                targets = [_existing(alias.name, modules) for alias in node.names
+                targets = [_existing(_current(alias.name, moved), modules) for alias in node.names
                            if alias.name.split(".")[0] == top]
             else:
                 if node.level:
@@ -91,8 +106,9 @@ def import_graph(package_dir: Path) -> tuple[dict[str, dict[str, list[int]]], di
                     source = node.module or ""
                 if source.split(".")[0] != top:
                     continue
-                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules
-                           else _existing(source, modules) for alias in node.names]
+                named = [_current(f"{source}.{alias.name}", moved) for alias in node.names]
+                source = _current(source, moved)
+                targets = [name_ if name_ in modules else _existing(source, modules) for name_ in named]
             for target in targets:
                 if target and target != name:
                     edges.setdefault(target, []).append(node.lineno)
@@ -187,7 +203,19 @@ def test_walker_finds_cycles_through_functions_relative_imports_and_package_init
         "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pimm import c\n",
         "e.py": "from pimm.pkg import sub\n",  # a submodule: an edge to pimm.pkg.sub, not to pimm.pkg
     })
-    graph, _ = import_graph(root)
+    graph, _ = import_graph(root, moved={})
     assert strongly_connected(graph) == [["pimm.a", "pimm.b"], ["pimm.pkg", "pimm.pkg.sub"]]
     assert set(graph["pimm.e"]) == {"pimm.pkg.sub"} and set(graph["pimm.c"]) == {"pimm.d"}
     assert graph["pimm.d"] == {}  # TYPE_CHECKING imports never run
+
+
+def test_old_paths_of_moved_modules_are_edges_to_their_new_homes(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "new/__init__.py": "",
+        "new/mod.py": "from pimm.user import f\n",
+        "user.py": "import pimm.old_mod\nfrom pimm import old_mod\ndef f(): pass\n",
+    })
+    graph, _ = import_graph(root, moved={"pimm.old_mod": "pimm.new.mod"})
+    assert set(graph["pimm.user"]) == {"pimm.new.mod"}
+    assert strongly_connected(graph) == [["pimm.new.mod", "pimm.user"]]

@@ -221,10 +221,17 @@ def test_defaults_are_off_and_options_reach_the_tracer(tmp_path):
 KILLED_CHILD = textwrap.dedent("""
     import importlib.util, os, signal, sys
     sys.path.insert(0, {root!r})
-    # Loaded as a file, not through pimm.engines: the tracer needs nothing but the standard library.
-    spec = importlib.util.spec_from_file_location("tracing", {root!r} + "/pimm/engines/tracing.py")
-    tracing = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tracing)
+    # Loaded as files, not through pimm.engines: the tracer needs nothing but the standard
+    # library and its two sibling modules (themselves standard library only).
+    def load(name):
+        spec = importlib.util.spec_from_file_location(
+            "pimm.engines.observe." + name, {root!r} + "/pimm/engines/observe/" + name + ".py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    load("trace_options"), load("null_tracer")
+    tracing = load("tracing")
     assert "torch" not in sys.modules and "numpy" not in sys.modules
     tracer = tracing.build_tracer(dict(enabled=True, flush_every_s=3600), {run!r}, 0, 1, attempt=0, job="j1")
     for step in range(1, 4):

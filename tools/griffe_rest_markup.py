@@ -3,8 +3,8 @@ it turns the reStructuredText markup of pimm's docstrings into Markdown.
 
 pimm's docstrings use two pieces of reST that Markdown renders as noise:
 
-* cross-reference roles, ``:class:`~pimm.engines.metrics.MetricChannel```,
-  ``:meth:`flush```, ``:mod:`pimm.engines.oom_backoff```. Each becomes an
+* cross-reference roles, ``:class:`~pimm.engines.observe.metrics.MetricChannel```,
+  ``:meth:`flush```, ``:mod:`pimm.engines.optim.oom_backoff```. Each becomes an
   optional cross-reference (mkdocs-autorefs): a link when the site documents
   that object, plain code otherwise, so a reference to something the API pages
   leave out never breaks the strict build;

@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Run from a source checkout without installing.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-EXIT_INTERRUPTED = 130  # as pimm.engines.launch: Ctrl-C at any moment of start-up is one line, exit 130
+EXIT_INTERRUPTED = 130  # as pimm.engines.run.launch: Ctrl-C at any moment of start-up is one line, exit 130
 
 
 def _interrupted() -> int:

@@ -1,14 +1,16 @@
-"""The ``pimm`` command and the entry points of ``tools/train.py`` / ``tools/test.py``.
+"""Every command pimm ships: the ``pimm`` command and the entry points of
+``tools/train.py`` / ``tools/test.py`` (this package is their one home; the
+former ``pimm.tools`` modules live here and their old paths still import).
 
 ``pimm <command> [args]`` dispatches to:
 
 * ``train`` / ``test``: exactly ``tools/train.py`` / ``tools/test.py``
   (:func:`train_main` / :func:`test_main`, also the ``pimm-train`` /
   ``pimm-test`` console scripts);
-* ``trace summarize|export RUN``: :mod:`pimm.tools.trace_report`;
-* ``plot RUN...``: :mod:`pimm.tools.plot`;
-* ``submit``: :mod:`pimm.tools.submit` (SLURM);
-* ``export RUN_DIR OUT``: :mod:`pimm.tools.export` (a model for ``pimm.from_pretrained``).
+* ``trace summarize|export RUN``: :mod:`pimm.cli.trace_report`;
+* ``plot RUN...``: :mod:`pimm.cli.plot`;
+* ``submit``: :mod:`pimm.cli.submit` (SLURM);
+* ``export RUN_DIR OUT``: :mod:`pimm.cli.export` (a model for ``pimm.from_pretrained``).
 * ``torchrun``: :mod:`pimm.distributed.torchrun` (torchrun with pimm's exit codes: 75 when pre-empted).
 
 Nothing heavy is imported at module level: torch, the models and data sets
@@ -26,9 +28,11 @@ import os
 import sys
 import traceback
 
-from pimm.tools.register import register_all  # the public name stays pimm.cli.register_all
+from pimm.cli.register import register_all  # the public name stays pimm.cli.register_all
+# What ``pimm.tools`` (now an alias of this package) exported.
+from pimm.cli.tool_args import ToolParser, output_path, writing
 
-__all__ = ["main", "train_main", "test_main", "register_all"]
+__all__ = ["main", "train_main", "test_main", "register_all", "ToolParser", "output_path", "writing"]
 
 EXIT_USAGE = 2
 
@@ -38,7 +42,7 @@ def _launch(argv: list[str] | None, mode: str) -> int:
     # be set before torch is imported, and an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     register_all()
-    from pimm.engines.launch import main as launch_main
+    from pimm.engines.run.launch import main as launch_main
 
     return launch_main(sys.argv[1:] if argv is None else argv, mode=mode)
 
@@ -71,25 +75,25 @@ def _as_verb(argv: list[str], mode: str) -> int:
 
 
 def _trace(argv: list[str]) -> int:
-    from pimm.tools import trace_report
+    from pimm.cli import trace_report
 
     return trace_report.main(argv, prog="pimm trace")
 
 
 def _plot(argv: list[str]) -> int:
-    from pimm.tools import plot
+    from pimm.cli import plot
 
     return plot.main(argv, prog="pimm plot")
 
 
 def _export(argv: list[str]) -> int:
-    from pimm.tools import export
+    from pimm.cli import export
 
     return export.main(argv)
 
 
 def _submit(argv: list[str]) -> int:
-    from pimm.tools import submit
+    from pimm.cli import submit
 
     return submit.main(argv)
 
@@ -109,7 +113,7 @@ COMMANDS = {
     "export": ("write a run's model as a portable folder for pimm.from_pretrained", _export),
     "torchrun": ("torchrun (its arguments) that exits 75 when pre-empted and 130 on Ctrl-C", _torchrun),
 }
-_OWN_ERRORS = ("trace", "plot", "submit", "export")  # train/test report their own errors (pimm.engines.launch)
+_OWN_ERRORS = ("trace", "plot", "submit", "export")  # train/test report their own errors (pimm.engines.run.launch)
 
 
 def usage() -> str:

@@ -10,11 +10,11 @@ from pimm.engines.registries import (COLLATE_FNS, DATASETS, HOOKS, MODELS, OPTIM
                                      TRANSFORMS)
 from pimm.engines.hooks import *  # noqa: F401,F403  (registers the built-in hooks)
 from pimm.engines.hooks import EvalRun, EvaluatorBase, HookBase
-from pimm.engines.metrics import MetricChannel
-from pimm.engines.optim_step import OptimStep, StepResult
-from pimm.engines.scheduler import scale_lr
-from pimm.engines import scheduler_upstream  # noqa: F401  (upstream's extra schedules; last_epoch)
-from pimm.engines.trainer_base import TrainerBase
+from pimm.engines.observe.metrics import MetricChannel
+from pimm.engines.optim.step import OptimStep, StepResult
+from pimm.engines.optim.scheduler import scale_lr
+from pimm.engines.loop.trainer_base import TrainerBase
+from pimm.engines.optim import scheduler_upstream  # noqa: F401  (upstream's extra schedules; last_epoch)
 from pimm.engines.trainers import DefaultTrainer, GRPOTrainer, ImageClassTrainer, InsegTrainer, MultiDatasetTrainer
 
 __all__ = ["TRAINERS", "HOOKS", "OPTIMIZERS", "SCHEDULERS", "MODELS", "DATASETS", "TRANSFORMS", "COLLATE_FNS",

@@ -79,7 +79,7 @@ class Config(ConfigDict):
     def command_options(self) -> list[str]:
         """The ``--options`` of the command line(s) that made this config, in
         order; written into the header of a dumped file, so that a resume can
-        apply a run's own overrides again (:mod:`pimm.engines.resume_config`)."""
+        apply a run's own overrides again (:mod:`pimm.engines.run.resume_config`)."""
         return list(self.__dict__.get("_options", ()))
 
     def set_command_options(self, tokens) -> None:

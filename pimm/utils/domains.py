@@ -31,7 +31,7 @@ bool and needs no entry; every other argument must be listed
 
 A domain is any callable ``check(key, value) -> value`` that raises a
 one-line :class:`~pimm.utils.errors.ConfigError` — the same contract as the
-runtime keys' checks (:mod:`pimm.engines.runtime`), so both are one mechanism.
+runtime keys' checks (:mod:`pimm.engines.run.runtime`), so both are one mechanism.
 Numbers are always finite (``nan``/``inf`` are refused wherever a number is
 expected) and bounded by a stated range: a value no run could mean (``10**12``
 channels, a learning rate of ``1e30``) is refused, not trained on.

@@ -74,7 +74,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import UserError
+from pimm.utils.lock_acquire import LockAcquisition
+from pimm.utils.lock_holders import RunLockError, RunLockLost, _boot_id, _describe, _process_start
 
 try:
     import fcntl
@@ -84,21 +85,6 @@ except ImportError:  # not on POSIX: only the exclusive-file mode exists
 __all__ = ["RunLock", "RunLockError", "RunLockLost", "LOCK_NAME", "check_held"]
 
 LOCK_NAME = ".lock"
-# flock errors that mean "not supported here", not "someone holds it".
-_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK, errno.EINVAL}
-
-
-class RunLockError(UserError):
-    """The run directory is in use by another run, or cannot be locked."""
-
-    def __init__(self, message: str, holder: dict | None = None):
-        super().__init__(message)
-        self.holder = holder
-
-
-class RunLockLost(RunLockError):
-    """This run's lock was taken by another run: it must stop writing."""
-
 
 _HELD: "weakref.WeakSet[RunLock]" = weakref.WeakSet()
 
@@ -127,43 +113,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _process_start(pid: int) -> str | None:
-    """Start time of ``pid`` in clock ticks since boot (Linux), to tell a
-    live holder from an unrelated process that reuses its pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]  # field 22, counted after "pid (comm)"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _describe(holder: dict | None) -> str:
-    if not holder:
-        return "a process that has not written its record yet"
-    started = holder.get("started", "?")
-    command = holder.get("command")
-    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {started}"
-            + (f": {command}" if command else ""))
-
-
-class RunLock:
+class RunLock(LockAcquisition):
     """``with RunLock(save_path): ...`` or ``acquire()`` / ``release()``.
 
     ``mode``: "auto" (flock, else the exclusive file), "flock" or "exclusive".
@@ -348,88 +298,6 @@ class RunLock:
         self.warn(f"{self.path} was deleted while this run held it; written back (delete a lock only when its run "
                   "is gone)")
         return None
-
-    # -- flock -------------------------------------------------------------
-    def _acquire_flock(self) -> bool:
-        """True when held; False when flock is unsupported here; raises when busy."""
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise RunLockError(f"cannot create {self.path}: {err.strerror or err}; choose a writable "
-                                   "save_path") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                os.close(fd)
-                if err.errno in _NO_FLOCK:
-                    return False
-                if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    holder = self._read_record()
-                    raise RunLockError(self._busy_message(holder), holder) from None
-                raise RunLockError(f"cannot lock {self.path}: {err.strerror or err}") from None
-            # The previous holder may have deleted the file between our open
-            # and our flock: then we locked a file nobody else will see.
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            previous = self._read_fd(fd)
-            if previous and previous.get("host") != socket.gethostname() and self._fresh(fd):
-                # Another host's run may hold it where flock is not shared between hosts.
-                os.close(fd)
-                raise RunLockError(self._busy_message(previous, remote=True), previous)
-            self._fd = fd
-            if previous:
-                self._take_over(previous)
-            return True
-
-    # -- exclusive file ----------------------------------------------------
-    def _acquire_exclusive(self) -> None:
-        for _ in range(100):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = self._read_record()
-                if self._holder_alive(holder):
-                    raise RunLockError(self._busy_message(holder, remote=self._remote(holder)), holder) from None
-                # Stale: remove it only if it is still the file we judged.
-                if holder is not None and self._read_record() == holder:
-                    try:
-                        self.path.unlink()
-                    except FileNotFoundError:
-                        pass
-                    self._take_over(holder)
-                elif holder is None:
-                    time.sleep(0.05)  # being written right now
-                continue
-            except OSError as err:
-                raise RunLockError(f"cannot create {self.path}: {err.strerror or err}") from None
-            self._fd = fd
-            return
-        raise RunLockError(f"cannot take {self.path}: it keeps changing; is another run starting on it?")
-
-    def _holder_alive(self, holder: dict | None) -> bool:
-        if holder is None:  # created but not yet written: a live run is starting
-            try:
-                return time.time() - self.path.stat().st_mtime < self.stale_after_s
-            except FileNotFoundError:
-                return False
-        if self._remote(holder):
-            try:
-                return time.time() - self.path.stat().st_mtime < self.stale_after_s
-            except FileNotFoundError:
-                return False
-        if holder.get("boot_id") and holder.get("boot_id") != _boot_id():
-            return False  # this host rebooted since
-        pid = holder.get("pid")
-        if not isinstance(pid, int) or not _pid_alive(pid):
-            return False
-        started = holder.get("pid_start")
-        return started is None or _process_start(pid) in (None, started)
 
     # -- shared ------------------------------------------------------------
     def _started(self, mode: str) -> "RunLock":

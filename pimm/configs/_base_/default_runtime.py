@@ -1,4 +1,4 @@
-# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/runtime.py by
+# Runtime defaults shared by every pimm config. GENERATED from pimm/engines/run/runtime.py by
 # tools/write_default_runtime.py; a config without _base_ gets the same values from the
 # engine. Edit the table there, not this file. Any config names it as
 # _base_ = "pimm://_base_/default_runtime.py" (docs/config.md).

@@ -23,7 +23,7 @@ Only the hooks that override a phase are called for it (dispatch tuples are
 built once), so a phase nobody uses costs nothing. A hook's ``state_dict``
 goes into every checkpoint and comes back through ``load_state_dict`` before
 ``before_train``. ``self.trainer`` is a weak proxy to the trainer; hooks share
-values through ``self.trainer.metrics`` (:mod:`pimm.engines.metrics`).
+values through ``self.trainer.metrics`` (:mod:`pimm.engines.observe.metrics`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from pimm.engines.hook_contract import take_published_metric
+from pimm.engines.loop.hook_contract import take_published_metric
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.engines.state.manager import Retention

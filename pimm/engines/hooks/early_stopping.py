@@ -38,7 +38,7 @@ import math
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
-from pimm.engines.optim_parts import all_optimizers
+from pimm.engines.optim.parts import all_optimizers
 from pimm.utils.domains import Choice, Count, Key, Names, NonNeg, Rule, Seq
 
 __all__ = ["EarlyStopping"]

@@ -14,7 +14,7 @@ import datetime
 import math
 
 from pimm.engines.hooks.base import HookBase
-from pimm.engines.metrics import reduce_values
+from pimm.engines.observe.metrics import reduce_values
 from pimm.engines.registries import HOOKS
 from pimm.utils.logger import fit_line
 from pimm.utils.domains import Count, Int, PosInt

@@ -73,11 +73,11 @@ from pimm.engines.hooks.control_file import (AUDIT_FILE, SETTINGS, ControlFileEr
 from pimm.engines.hooks.information_writer import InformationWriter
 from pimm.engines.hooks.on_demand import validate_on_demand
 from pimm.engines.registries import HOOKS
-from pimm.engines.scheduler import MAX_LR_SCALE, MIN_LR_SCALE, _GroupStateMixin, scale_lr
+from pimm.engines.optim.scheduler import MAX_LR_SCALE, MIN_LR_SCALE, _GroupStateMixin, scale_lr
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import append_jsonl, read_jsonl
-from pimm.engines.optim_parts import single_optimizer_problem
+from pimm.engines.optim.parts import single_optimizer_problem
 from pimm.utils.domains import FilePath, PosInt
 
 __all__ = ["LiveControl", "parse_control", "read_control_file", "AUDIT_FILE"]

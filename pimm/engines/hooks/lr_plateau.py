@@ -23,9 +23,9 @@ import numbers
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import HOOKS
-from pimm.engines.scheduler import _GroupStateMixin, scale_lr
+from pimm.engines.optim.scheduler import _GroupStateMixin, scale_lr
 from pimm.utils.errors import ConfigError
-from pimm.engines.optim_parts import single_optimizer_problem
+from pimm.engines.optim.parts import single_optimizer_problem
 from pimm.utils.domains import Choice, Count, Key, LR, NonNeg, Real, Seq
 
 __all__ = ["ReduceLROnPlateau", "counts_for_plateau"]

@@ -7,7 +7,7 @@ device reduction, then **one host sync per step** to read the verdict (and,
 under DDP, one one-element all-reduce so that every rank takes the same
 decision). That is why the guard is opt-in: without it a non-finite
 ``train/loss`` still stops the run, at the next metrics flush
-(:class:`~pimm.engines.metrics.NonFiniteMetric`), without a per-step sync.
+(:class:`~pimm.engines.observe.metrics.NonFiniteMetric`), without a per-step sync.
 
 On a bad step the log names the culprit: the model outputs (scalars of
 ``comm_info["model_output_dict"]``) that are not finite, and the first

@@ -48,136 +48,29 @@ before the rest; their files are checksummed into the same manifest.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import torch
-
+from pimm.engines.state.checkpoint_loading import CheckpointLoading
 from pimm.engines.state.participants import as_participant
-from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file, non_data_parts
+from pimm.engines.state.safe_load import non_data_parts
 from pimm.engines.state.snapshot import SnapshotBuffers
-from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded, saved_structure, sharded_loader
+from pimm.engines.state.sharded import SHARDED_DIR, own_shard_files, save_sharded
 from pimm.utils import comm
-from pimm.utils.errors import CheckpointError
 from pimm.utils.run_lock import check_held
+# Also importable from here, as before the split (tests patch manager._save_synced and _ChecksummingFile).
+from pimm.engines.state.checkpoint_folders import (_NAME, COMMON, MANIFEST, LoadedCheckpoint,  # noqa: F401
+                                                   Retention, _step_of, checkpoint_name)
+from pimm.engines.state.durable_files import (_WRITING, _Aborted, _ChecksummingFile, _file_crc32,  # noqa: F401
+                                              _fsync_dir, _naming, _save_synced, _write_json_synced)
 
 __all__ = ["CheckpointManager", "Retention", "atomic_torch_save", "LoadedCheckpoint", "checkpoint_name"]
-
-_NAME = re.compile(r"^step(\d{9})-epoch(\d{4,})$")
-MANIFEST = "COMMITTED"
-COMMON = "common.pth"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class _Aborted(Exception):
-    """The save was abandoned (:meth:`CheckpointManager.abort`): nothing is committed."""
-
-
-class _ChecksummingFile:
-    """Write-only file wrapper that keeps a CRC-32 of everything written, so a
-    checkpoint's checksum costs no second read; a set ``abort`` event stops the
-    write at its next chunk."""
-
-    def __init__(self, fh, abort: threading.Event | None = None):
-        self.fh, self.crc, self.size, self.abort = fh, 0, 0, abort
-        self.error: OSError | None = None  # the OS error of a failed write (torch.save may hide it)
-
-    def write(self, data) -> int:
-        if self.abort is not None and self.abort.is_set():
-            raise _Aborted("checkpoint save abandoned")
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(data)
-        try:
-            return self.fh.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def flush(self) -> None:
-        try:
-            self.fh.flush()
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-
-# The abort event of the save this thread is writing (set by CheckpointManager._write), read by
-# _save_synced: the file writer stops at its next chunk once the save is abandoned.
-_WRITING = threading.local()
-
-
-def _save_synced(obj: Any, path: Path) -> dict:
-    out = None
-    try:
-        with open(path, "wb") as fh:
-            out = _ChecksummingFile(fh, getattr(_WRITING, "abort", None))
-            torch.save(obj, out)
-            fh.flush()
-            os.fsync(fh.fileno())
-            return {"size": out.size, "crc32": out.crc}
-    except Exception as err:
-        raise _naming(path, err, out.error if out is not None else None) from err
-
-
-def _naming(path: Path, err: BaseException, seen: OSError | None = None) -> BaseException:
-    """The OS error behind a failed write, naming ``path``: torch.save reports a
-    full disk as ``RuntimeError: ... unexpected pos``, and a failed write() or
-    flush() names no file. Anything else is returned as it is."""
-    cause = seen or (err if isinstance(err, OSError) else None)
-    if cause is None and isinstance(err, RuntimeError):
-        try:
-            stats = os.statvfs(path.parent)
-            if stats.f_bavail == 0:
-                cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError:
-            pass
-    if cause is None or cause.errno is None:
-        return err
-    return OSError(cause.errno, cause.strerror or os.strerror(cause.errno), str(path))
-
-
-def _write_json_synced(obj: Any, path: Path) -> None:
-    """Write, fsync, then rename into place: a reader polling for ``path`` (rank
-    0 waiting for another rank's done-marker) never sees it half-written."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        raise _naming(path, err) from err
-
-
-def _file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -190,55 +83,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     _fsync_dir(path.parent)
 
 
-def checkpoint_name(global_step: int, epoch: int) -> str:
-    """The folder name of the checkpoint of ``global_step`` in ``epoch``."""
-    return f"step{global_step:09d}-epoch{epoch:04d}"
-
-
-@dataclass
-class Retention:
-    """Which committed checkpoints survive a save. The newest is always kept
-    (resume needs it); on top of it the ``keep_last - 1`` before it, the newest
-    one that was the best, every one whose step is a multiple of
-    ``keep_every`` (kept forever), or all of them (``keep_all``).
-
-    The modes people ask for: best only = ``keep_last=1, keep_best=True``;
-    last N = ``keep_last=N, keep_best=False``; all = ``keep_all=True``; every
-    K-th forever = ``keep_every=K`` (with any of the others)."""
-
-    keep_last: int = 2
-    keep_best: bool = True
-    keep_every: int | None = None
-    keep_all: bool = False
-
-    def survivors(self, committed: list[tuple[Path, dict]]) -> set[Path]:
-        """``committed``: (folder, manifest) pairs, oldest first."""
-        if self.keep_all:
-            return {path for path, _ in committed}
-        keep = {path for path, _ in committed[-max(1, self.keep_last):]}
-        if self.keep_best:
-            best = [path for path, manifest in committed if manifest.get("is_best")]
-            keep.update(best[-1:])
-        if self.keep_every:
-            # The step from the folder name: it is there even when a manifest cannot be read.
-            keep.update(path for path, _ in committed if _step_of(path) % self.keep_every == 0)
-        return keep
-
-
-def _step_of(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
-
-
-class LoadedCheckpoint:
-    """A committed checkpoint as read for a restore: its folder (``path``), the
-    verified ``manifest``, the ``common`` state written once by rank 0 and this
-    rank's own ``rank_state`` (None when the checkpoint has no file for it).
-    """
-    def __init__(self, path: Path, manifest: dict, common: dict, rank_state: dict | None):
-        self.path, self.manifest, self.common, self.rank_state = path, manifest, common, rank_state
-
-
-class CheckpointManager:
+class CheckpointManager(CheckpointLoading):
     """Saves and restores named participants (the
     :class:`~pimm.engines.state.participants.Participant` protocol, or anything
     with ``state_dict`` / ``load_state_dict``). ``scope="shared"`` participants are replicated across
@@ -260,6 +105,10 @@ class CheckpointManager:
         self._per_rank: dict[str, Any] = {}
         self._sharded: dict[str, Any] = {}
         self.rejected: list[tuple[Path, str]] = []  # what the last load_latest() could not use, and why
+        #: Called on rank 0's writer (thread) just before the manifest commits a
+        #: checkpoint: work the checkpoint depends on that need not block training
+        #: (the fsync of metrics.jsonl, whose length the checkpoint records).
+        self.before_commit: list[Callable[[], None]] = []
         self.snapshot_buffers = SnapshotBuffers()  # pinned host buffers for CUDA states, reused across saves
         # The opt-in (trust_checkpoint_code) for checkpoints written before states were plain data:
         # a file refused as data is then loaded in full, with a warning (pimm.engines.state.safe_load).
@@ -429,6 +278,8 @@ class CheckpointManager:
         if "sharded" in manifest:  # DCP's .metadata, and any shard file no rank claimed
             files.update(_entries(tmp, [p for p in sorted((tmp / SHARDED_DIR).rglob("*"))
                                         if p.is_file() and p.relative_to(tmp).as_posix() not in files]))
+        for prepare in self.before_commit:
+            prepare()
         _write_json_synced({**manifest, "time": time.time(), "files": files}, tmp / MANIFEST)
         _fsync_dir(tmp)
         check_held(self.directory)  # never commit into a directory another run took over (exit 2)
@@ -490,120 +341,6 @@ class CheckpointManager:
                 return json.load(fh)
         except (OSError, ValueError):
             return {}
-
-    # -- verifying and loading --------------------------------------------
-    def verify(self, path: Path) -> str:
-        """``"ok"`` when the checkpoint folder ``path`` is committed and every file
-        matches its manifest entry (size, CRC-32); else why it cannot be used."""
-        path = Path(path)
-        if not (path / MANIFEST).is_file():
-            return "no COMMITTED manifest: an interrupted save or a partial copy"
-        manifest = self._read_manifest(path)
-        if not manifest or "files" not in manifest:
-            return "its COMMITTED manifest is unreadable"
-        for fname, expected in manifest["files"].items():
-            actual = (path / fname).stat().st_size if (path / fname).exists() else None
-            if actual != expected["size"]:
-                return f"{fname} has {actual} bytes, the manifest says {expected['size']}"
-            if _file_crc32(path / fname) != expected["crc32"]:
-                return f"{fname} fails its CRC-32 check (corrupted on disk)"
-        return "ok"
-
-    def _try_load(self, path: Path, rank: int) -> LoadedCheckpoint:
-        verdict = self.verify(path)
-        if verdict != "ok":
-            raise ValueError(verdict)
-        manifest = self._read_manifest(path)
-        common = self.load_state(path / COMMON)
-        rank_file = path / f"rank{rank:05d}.pth"
-        rank_state = self.load_state(rank_file) if rank_file.exists() else None
-        return LoadedCheckpoint(path, manifest, common, rank_state)
-
-    def load_state(self, path: Path) -> Any:
-        """One state file of a checkpoint, loaded as data (an :class:`UnsafeCheckpointError`
-        when it holds anything else and :attr:`trust_code` is off)."""
-        return load_state_file(path, trust_code=self.trust_code, logger=self.logger)
-
-    def _attempt(self, path: Path) -> tuple[LoadedCheckpoint | None, str | None, str | None]:
-        """(the loaded checkpoint, why it cannot be used, why it was refused as more than data)."""
-        try:
-            return self._try_load(path, comm.get_rank()), None, None
-        except UnsafeCheckpointError as err:
-            return None, str(err), str(err)
-        except Exception as err:  # a damaged file may fail in many ways
-            return None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}", None
-
-    @staticmethod
-    def _refusal(refused: str | None) -> str:
-        """The first rank's refusal (one line naming the file and the type), agreed on every rank."""
-        return next(line for line in comm.all_gather_object(refused) if line)
-
-    def load(self, path: str | Path) -> LoadedCheckpoint:
-        """The checkpoint folder ``path`` (anywhere), verified and read on every
-        rank; a :class:`CheckpointError` saying why when any rank cannot use it."""
-        loaded, error, refused = self._attempt(Path(path))
-        if comm.any_rank(refused is not None):
-            raise CheckpointError(f"resume={str(path)!r}: {self._refusal(refused)}")
-        if comm.any_rank(loaded is None):
-            raise CheckpointError(f"resume={str(path)!r} cannot be used: {error or 'unreadable on another rank'}; "
-                                  "nothing was changed (pick another checkpoint folder, or resume=True for the newest "
-                                  "usable one)")
-        return loaded
-
-    def load_latest(self) -> LoadedCheckpoint | None:
-        """The newest checkpoint that every rank can read, or None. The ones
-        passed over (damaged, uncommitted) are in :attr:`rejected` with the
-        reason, and logged. A checkpoint refused because it holds more than
-        data is not damage: that stops the resume (a :class:`CheckpointError`
-        naming the file, the type and the older checkpoints) instead of
-        silently continuing from an older one."""
-        candidates = comm.broadcast_object([str(p) for p in reversed(self.step_folders())])
-        self.rejected = []
-        for index, candidate in enumerate(candidates):
-            path = Path(candidate)
-            loaded, error, refused = self._attempt(path)
-            if comm.any_rank(refused is not None):
-                older = next((p for p in candidates[index + 1:] if self.verify(Path(p)) == "ok"), None)
-                hint = (f" To continue from the checkpoint before it instead: resume='{older}' (moves this one "
-                        "aside, deletes nothing)." if older else "")
-                raise CheckpointError(f"resume=True stopped at {path.name} (no fallback to an older checkpoint): "
-                                      f"{self._refusal(refused)}.{hint}")
-            if comm.any_rank(loaded is None):
-                reason = error or "unreadable on another rank"
-                self.rejected.append((path, reason))
-                self.logger.warning(f"Checkpoint {path.name} cannot be resumed from ({reason}); trying the previous one")
-                continue
-            return loaded
-        return None
-
-    def restore(self, loaded: LoadedCheckpoint, context: Any = None, skip_rank_states: bool = False) -> None:
-        """Hand every participant its state with ``restore(state, context)``, in
-        registration order (the order is documented on
-        :class:`~pimm.engines.state.participants.Participant`); per-rank states
-        are skipped when ``skip_rank_states`` (another world size), and such a
-        participant then gets ``restore(None, context)``. Sharded participants
-        come first and read their part of ``sharded/`` (a collective)."""
-        saved_sharded = loaded.manifest.get("sharded", [])
-        if self._sharded:
-            if not saved_sharded:
-                raise CheckpointError(
-                    f"checkpoint {loaded.path.name} was written by a run with parallel.strategy='ddp' (whole-model "
-                    "state); resume it with parallel.strategy='ddp'")
-            folder = loaded.path / SHARDED_DIR
-            structure = saved_structure(folder)
-            for name, participant in self._sharded.items():
-                participant.restore_sharded(sharded_loader(folder, name), structure.get(name, {}), context)
-        elif saved_sharded and any(name in self._shared for name in saved_sharded):
-            raise CheckpointError(
-                f"checkpoint {loaded.path.name} was written by a run with parallel.strategy='fsdp' (sharded state); "
-                "resume it with parallel.strategy='fsdp' (any number of processes)")
-        for name, participant in self._shared.items():
-            if name in loaded.common:
-                participant.restore(loaded.common[name], context)
-        for name, participant in self._per_rank.items():
-            state = None if skip_rank_states or loaded.rank_state is None else loaded.rank_state.get(name)
-            participant.restore(state, context)
-
 
 def _entries(root: Path, paths: list[Path]) -> dict:
     """Manifest entries (size, CRC-32) of files already on disk, keyed by their path under ``root``."""

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from pimm.engines.data import train_sampler
+from pimm.engines.run.data import train_sampler
 from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
 from pimm.engines.state.weight_file import strip_wrapper_prefixes
 from pimm.utils.errors import CheckpointError, ConfigError
@@ -174,7 +174,7 @@ def apply_configured_groups(optimizer, configured: list[dict], saved_groups: lis
 class SchedulerParticipant:
     """The schedule's progress comes from the checkpoint, its parameters
     (length, warm-up, milestones, base lrs) from the config: pimm's schedulers
-    load only their step counters (see :mod:`pimm.engines.scheduler`)."""
+    load only their step counters (see :mod:`pimm.engines.optim.scheduler`)."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler

@@ -100,7 +100,7 @@ class ShardedModelParticipant:
         """The sharded state (Distributed Checkpoint's state-dict API)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from pimm.engines.parallel import sync_buffers
+        from pimm.engines.run.parallel import sync_buffers
 
         sync_buffers(self.model)  # DCP saves one copy of each buffer, from any rank: make it rank 0's
         return get_model_state_dict(self.model)

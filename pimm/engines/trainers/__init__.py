@@ -1,6 +1,6 @@
 """Trainers, one a module. Each is short because the engine's seams carry it:
 :class:`DefaultTrainer` builds everything and runs a supervised step through
-:class:`~pimm.engines.optim_step.OptimStep`; the others override a builder or
+:class:`~pimm.engines.optim.step.OptimStep`; the others override a builder or
 the step."""
 
 from pimm.engines.trainers.default import DefaultTrainer

@@ -13,25 +13,25 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset, default_collate
 
-from pimm.engines import data as data_lib
-from pimm.engines.compile import compile_model
-from pimm.engines.grad_checkpoint import apply_gradient_checkpointing
-from pimm.engines.optim import build_optimizer
-from pimm.engines.optim_parts import build_optim_parts, model_parts, optimizer_parts
-from pimm.engines.parallel import shard_model
+from pimm.engines.run import data as data_lib
+from pimm.engines.optim.compile import compile_model
+from pimm.engines.optim.grad_checkpoint import apply_gradient_checkpointing
+from pimm.engines.optim.optimizers import build_optimizer
+from pimm.engines.optim.parts import build_optim_parts, model_parts, optimizer_parts
+from pimm.engines.run.parallel import shard_model
 from pimm.engines.registries import COLLATE_FNS, DATASETS, MODELS
-from pimm.engines.scheduler import build_scheduler
-from pimm.engines.wandb_options import wandb_init_options
-from pimm.engines.writers import MetricsWriter
+from pimm.engines.optim.scheduler import build_scheduler
+from pimm.engines.observe.wandb_options import wandb_init_options
+from pimm.engines.observe.writers import MetricsWriter
 from pimm.utils.config_dict import to_plain
 from pimm.utils.errors import ConfigError
 
-__all__ = ["ComponentBuilders"]
+__all__ = ["ComponentBuilders", "no_autocast"]
 
 
 class ComponentBuilders:
     """The ``build_*`` methods of DefaultTrainer and of the
-    :class:`~pimm.engines.testers.Tester` (a mixin: it reads ``self.cfg``,
+    :class:`~pimm.engines.loop.testers.Tester` (a mixin: it reads ``self.cfg``,
     ``self.world_size``, ``self.rank``, ``self.device``, ``self.options``)."""
 
     #: The collate function when the config names none (``train.collate_fn`` /
@@ -109,7 +109,7 @@ class ComponentBuilders:
         return DATASETS.build(data_cfg[split])
 
     def build_train_loader(self):
-        """The resumable training loader over ``data.train`` (see :mod:`pimm.engines.data`)."""
+        """The resumable training loader over ``data.train`` (see :mod:`pimm.engines.run.data`)."""
         return self._make_train_loader(self._build_dataset("train"))
 
     def _make_train_loader(self, dataset, sampler=None):
@@ -217,11 +217,11 @@ class ComponentBuilders:
     supports_compile = True
 
     #: Whether this trainer's ``run_step`` uses ``self.optim_steps`` by name, so that
-    #: the optimizer config may name model parts (see :mod:`pimm.engines.optim_parts`).
+    #: the optimizer config may name model parts (see :mod:`pimm.engines.optim.parts`).
     supports_optimizer_parts = False
 
     def build_optim_parts(self) -> dict:
-        """One :class:`~pimm.engines.optim_parts.OptimPart` per model part the
+        """One :class:`~pimm.engines.optim.parts.OptimPart` per model part the
         optimizer config names (``optimizer = dict(gen=dict(type=...), disc=...)``),
         in the config's order; ``{}`` for the single-optimizer ``dict(type=...)``."""
         parts = optimizer_parts(self.cfg.optimizer)
@@ -259,8 +259,7 @@ class ComponentBuilders:
 
     def _build_autocast(self):
         if not self.cfg.enable_amp:
-            null = contextlib.nullcontext()  # stateless: one instance for every forward pass
-            return lambda: null
+            return no_autocast
         dtype = getattr(torch, self.cfg.amp_dtype)
         return functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype)
 
@@ -272,6 +271,15 @@ class ComponentBuilders:
             wandb_init=wandb_init_options(cfg, self.save_path, config=to_plain(cfg)) if cfg.use_wandb else None,
             logger=self.logger,
         )
+
+
+_NULL_CONTEXT = contextlib.nullcontext()  # stateless: one instance for every forward pass
+
+
+def no_autocast():
+    """``trainer.autocast()`` when AMP is off: a context that does nothing (the
+    training forward skips even entering it, see ``DefaultTrainer.forward``)."""
+    return _NULL_CONTEXT
 
 
 def _with_mix_prob(collate, mix_prob: float):

@@ -16,28 +16,22 @@ from pathlib import Path
 
 import torch
 
-from pimm.engines import data as data_lib
+from pimm.engines.run import data as data_lib
+from pimm.engines.run.data import batch_stats  # noqa: F401  (gan.py and plug-ins import it from here)
 from pimm.engines.control import StopControl
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.evaluator import EvaluatorBase
-from pimm.engines.metrics import MetricChannel
-from pimm.engines.oom_backoff import OOMBackoff
-from pimm.engines.optim_parts import part_participants
-from pimm.engines.optim_step import OptimStep
-from pimm.engines.parallel import check_shard_modules, full_parameters, full_state_dict, is_sharded, parallel_config
+from pimm.engines.observe.metrics import MetricChannel
+from pimm.engines.optim.oom_backoff import OOMBackoff
+from pimm.engines.optim.step import OptimStep
+from pimm.engines.run.parallel import check_shard_modules, parallel_config
 from pimm.engines.registries import TRAINERS
 from pimm.engines.hooks.memory import EmptyCache
-from pimm.engines.runtime import apply_process_settings
-from pimm.engines.state import CheckpointManager, atomic_torch_save, load_weights, restore_latest
-from pimm.engines.state.participants import (HooksParticipant, LoaderParticipant, MetaParticipant, ModelParticipant,
-                                             OptimizerParticipant, RNGParticipant, SchedulerParticipant,
-                                             TrainStateParticipant)
-from pimm.engines.state.restore import flatten_config
-from pimm.engines.state.resume_from import is_checkpoint_choice, restore_from
-from pimm.engines.state.sharded import ShardedModelParticipant, ShardedOptimizerParticipant
-from pimm.engines.sync_points import host_sync
-from pimm.engines.trainer_base import TrainerBase
-from pimm.engines.trainers.builders import ComponentBuilders
+from pimm.engines.run.runtime import apply_process_settings
+from pimm.engines.state import CheckpointManager
+from pimm.engines.loop.trainer_base import TrainerBase
+from pimm.engines.trainers.builders import ComponentBuilders, no_autocast
+from pimm.engines.trainers.checkpointing import Checkpointing
 from pimm.engines.trainers.evaluation import Evaluation
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
@@ -49,7 +43,7 @@ __all__ = ["DefaultTrainer"]
 
 
 @TRAINERS.register_module()
-class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
+class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
     """Options (the keys of ``train = dict(type="DefaultTrainer", ...)``):
 
     collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
@@ -61,14 +55,14 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         and stop requests when distributed (one tiny all-reduce each).
     oom_backoff: None (default), or ``dict(max_splits=N)``: redo a step that ran out
         of GPU memory with its batches split into halves, quarters, ... (single
-        process; see :mod:`pimm.engines.oom_backoff`).
+        process; see :mod:`pimm.engines.optim.oom_backoff`).
 
     ``hooks``: the built hooks (the CLI builds them while preparing the
     config, so their ``modify_config`` runs first); None prepares the config
-    here with :func:`pimm.engines.launch.prepare_config`, the CLI's order.
+    here with :func:`pimm.engines.run.launch.prepare_config`, the CLI's order.
     ``__init__`` is its phases: :meth:`configure_process`,
     :meth:`build_components`, :meth:`register_state`, :meth:`wire_hooks`.
-    Testing is :class:`pimm.engines.testers.Tester`'s job, not a mode.
+    Testing is :class:`pimm.engines.loop.testers.Tester`'s job, not a mode.
     """
 
     domains = dict(hooks=Anything("the built hooks, passed by the launcher"), collate_fn=CollateFn,
@@ -86,7 +80,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             self.tracer = tracer
         self.rank, self.world_size = comm.get_rank(), comm.get_world_size()
         if hooks is None:  # built from Python: the start-up order of the command line
-            from pimm.engines.launch import prepare_config
+            from pimm.engines.run.launch import prepare_config
             hooks = prepare_config(cfg, self.world_size)
         self.cfg = cfg
         self.options = dict(collate_fn=collate_fn, val_collate_fn=val_collate_fn, iters_per_epoch=iters_per_epoch,
@@ -161,50 +155,12 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                                             scheduler_interval=cfg.get("scheduler_interval", 1))
         with tracer.long_span("build_writer"):
             self.writer = self.build_writer()
+            if hasattr(self.writer, "sync_pending"):  # metrics.jsonl's fsync off the training thread
+                self.writer.defer_fsync = True
+                self.checkpointer.before_commit.append(self.writer.sync_pending)
         self.metrics = MetricChannel(sink=self.writer.write, tracer=tracer)
         self.writer.channel = self.metrics  # upstream's trainer.writer.add_scalar publishes here
         self.control = StopControl(cfg.preempt_signals, check_every=stop_check_every)
-
-    def register_state(self) -> None:
-        """The checkpoint layout: every participant, in restore order (see
-        :class:`~pimm.engines.state.participants.Participant`). A trainer adds
-        its own through :meth:`extra_state`; the hooks' states come last."""
-        self.train_state.load_state_dict(dict(  # the layout this process runs with
-            world_size=self.world_size, batch_size_per_rank=self.batch_size_per_rank,
-            grad_accum_steps=self.grad_accum_steps, num_workers_per_rank=self.num_workers_per_rank))
-        track = self.track
-        fsdp = self.parallel.fsdp  # model and optimizers written by every rank through Distributed Checkpoint
-        if fsdp:
-            track("model", ShardedModelParticipant(self.model_without_ddp), scope="sharded")
-        else:
-            track("model", ModelParticipant(self.model_without_ddp))
-        if self.optim_parts:  # optimizer/<part>, scheduler/<part>, scaler/<part> (pimm.engines.optim_parts)
-            for name, participant, scope in part_participants(self.optim_parts, self.model_without_ddp, fsdp):
-                track(name, participant, scope=scope)
-        else:
-            if fsdp:
-                track("optimizer", ShardedOptimizerParticipant(self.model_without_ddp, self.optimizer,
-                                                               self._scheduled_group_keys()), scope="sharded")
-            else:
-                track("optimizer", OptimizerParticipant(self.optimizer, self._scheduled_group_keys()))
-            track("scheduler", SchedulerParticipant(self.scheduler))
-            track("scaler", self.scaler)
-            if self.optim_step.scheduler_interval > 1:  # where the next scheduler step falls
-                track("optim_step", self.optim_step)
-        track("train_state", TrainStateParticipant(self.train_state))
-        track("metrics", self.metrics)
-        track("writer", self.writer)
-        track("meta", MetaParticipant(flatten_config(self.cfg), self.iters_per_epoch * self.max_epoch))
-        track("rng", RNGParticipant(), scope="rank")
-        track("loader", self.loader_participant(self), scope="rank")
-        for name, participant, scope in self.extra_state():
-            track(name, participant, scope=scope)
-        track("hooks", HooksParticipant(self), scope="rank")
-
-    def extra_state(self) -> list[tuple]:
-        """``(name, participant, scope)`` of the state a trainer adds to the
-        checkpoint (restored after the loader position, before the hooks); none here."""
-        return []
 
     def wire_hooks(self, hooks: list[HookBase]) -> None:
         """Register the hooks (with ``EmptyCache`` when the config asks for it): the
@@ -222,17 +178,6 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                                 "evaluate or save checkpoints (keep the default_hooks, or list CheckpointSaver, "
                                 "InformationWriter, ... to get them)")
 
-    #: How the data position is saved and restored (a trainer that consumes
-    #: batches at another rate than one per step overrides it).
-    loader_participant = LoaderParticipant
-
-    def track(self, name: str, participant, scope: str = "shared") -> None:
-        """Save ``participant`` (a :class:`~pimm.engines.state.participants.Participant`,
-        or anything with ``state_dict`` / ``load_state_dict``) in every checkpoint and
-        restore it on resume. ``scope="rank"`` for state that differs between
-        ranks, ``"sharded"`` for FSDP state written through Distributed Checkpoint."""
-        self.checkpointer.register(name, participant, scope=scope)
-
     def register_hooks(self, hooks: list[HookBase]) -> None:
         """Register ``hooks`` (see :meth:`TrainerBase.register_hooks`); ``after_backward``
         hooks are wired into the optimizer step."""
@@ -241,144 +186,6 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         for optim_step in [getattr(self, "optim_step", None), *getattr(self, "optim_steps", {}).values()]:
             if optim_step is not None:
                 optim_step.on_gradients = (lambda: self.call_hooks("after_backward")) if dispatch else None
-
-    # -- state: restore, save, model files ---------------------------------
-    def restore(self) -> bool:
-        """``resume``: every participant from the newest usable checkpoint;
-        otherwise ``weight=``: copy matching weights into the model."""
-        with host_sync("checkpoint"):  # before the first step; a restore reads states on the host
-            return self._restore()
-
-    def _restore(self) -> bool:
-        cfg = self.cfg
-        if cfg.resume and cfg.get("validate_on_resume") and not (self.evaluators and cfg.evaluate):
-            raise ConfigError("validate_on_resume=True needs an evaluator hook and evaluate=True (add e.g. "
-                              "dict(type='ClsEvaluator') to hooks, or drop validate_on_resume)")
-        if cfg.resume:
-            with self.tracer.long_span("checkpoint_load"):
-                if is_checkpoint_choice(cfg.resume):
-                    fresh_wandb_id = self.writer.wandb_run_id
-                    context = restore_from(self.checkpointer, cfg.resume, self.world_size, flatten_config(cfg),
-                                           self.logger)
-                    if context.foreign:  # a fork: its own logs from the checkpoint's step, its own W&B run
-                        self.writer.rewind(0, self.train_state.global_step)
-                        self.writer.wandb_run_id = fresh_wandb_id
-                else:
-                    context = restore_latest(self.checkpointer, self.world_size, flatten_config(cfg), self.logger,
-                                             allow_fresh=cfg.resume == "allow_fresh")
-            if context is not None:
-                self._validate_resumed = bool(cfg.get("validate_on_resume"))
-                state = self.train_state
-                self._last_saved_step = state.global_step
-                if state.stop_reason:
-                    self.logger.info(f"This run had stopped early at step {state.global_step} ({state.stop_reason}); "
-                                     "resuming continues it")
-                    state.stop_reason = None
-                self.logger.info(
-                    f"Resumed from {context.path.name}: {state.epoch} epoch(s) done, step {state.global_step}"
-                    + (f", {state.iter_in_epoch} step(s) into epoch {state.epoch + 1}" if state.iter_in_epoch else "")
-                )
-                return True
-            self.writer.rewind(0, 0)
-        if cfg.weight:
-            # CheckpointLoader(strict=True): every model tensor from the file and none left over.
-            strict = any(getattr(h, "strict", False) is True for h in self.hooks)
-            load_weights(self.model_without_ddp, cfg.weight, cfg.get("weight_key_map") or (), self.logger,
-                         strict=strict, allow_unexpected=not strict)
-            return True
-        return False
-
-    def save_checkpoint(self) -> None:
-        """Commit a resumable checkpoint of this step and write ``model/model_last.pth``
-        (a collective: every rank calls it at the same step)."""
-        if self._last_saved_step == self.global_step:
-            return
-        with self.tracer.long_span("checkpoint_save"), host_sync("checkpoint"):  # states are copied to the host
-            self._save_checkpoint()
-
-    def _save_checkpoint(self) -> None:
-        self._model_files = [("model_last.pth", self.model_file_payload())]
-        self.call_hooks("before_save_checkpoint")  # a hook may add_model_file() here
-        self.metrics.flush()  # the writer's offset must cover everything logged up to here
-        best = self.metrics.best
-        files = tuple((payload, self.save_path / "model" / name) for name, payload in self._model_files)
-        self.checkpointer.save(self.global_step, self.train_state.epoch,
-                               extra_manifest={"is_best": best.step is not None and best.step == self.global_step},
-                               after_commit=files)
-        self._model_files = []
-        self._last_saved_step = self.global_step
-
-    _snapshot_every: int | None = None
-
-    def align_data_snapshots(self, every_n_steps: int | None) -> None:
-        """Plan checkpoints every ``every_n_steps`` optimizer steps (CheckpointSaver
-        calls it in ``before_train``): the loader of an iterable data set snapshots
-        its state at that cadence, so such a checkpoint holds an exact data
-        position. Several callers: the shortest interval wins. Map-style data sets
-        resume from a sample count and need no snapshots."""
-        if not every_n_steps or data_lib.train_sampler(self.train_loader) is not None:
-            return  # the position is a sample count (LoaderParticipant), exact at any step
-        if self._snapshot_every is None or every_n_steps < self._snapshot_every:
-            self._snapshot_every = every_n_steps
-            self.train_loader.snapshot_every_n_steps = every_n_steps * self.grad_accum_steps
-
-    def add_model_file(self, name: str, model: torch.nn.Module) -> None:
-        """From ``before_save_checkpoint``: also write ``model/<name>`` for ``model``
-        (e.g. EMA weights) once this checkpoint is committed, off the training thread."""
-        self._model_files.append((name, self.model_file_payload(model)))
-
-    def model_file_payload(self, model: torch.nn.Module | None = None, **fields) -> dict:
-        """The content of a ``model/*.pth`` file (collective-safe: every rank gathers the
-        state dict; a sharded model's is gathered whole, kept by rank 0 only)."""
-        model = self.model_without_ddp if model is None else model
-        state = full_state_dict(model, keep=comm.is_main_process()) if is_sharded(model) else model.state_dict()
-        return {"state_dict": state, "epoch": self.train_state.epoch, "global_step": self.global_step, **fields}
-
-    def full_parameters(self, model: torch.nn.Module | None = None):
-        """Context in which ``model`` (default: the trained one) holds its whole
-        parameters on every rank: under FSDP each unit is gathered once (a
-        collective), so any number of forward passes or other method calls run
-        without collectives (evaluation, rollouts). A no-op otherwise."""
-        trained = model is None or model is self.model_without_ddp
-        return full_parameters(self.model if trained else model)
-
-    def save_model_file(self, name: str, model: torch.nn.Module | None = None, **fields) -> None:
-        """``model/<name>`` now: plain weights for inference and warm starts (every rank
-        gathers, rank 0 writes)."""
-        with host_sync("checkpoint"):  # the weights are copied to the host
-            payload = self.model_file_payload(model, **fields)
-        if comm.is_main_process():
-            atomic_torch_save(payload, self.save_path / "model" / name)
-
-    def finish(self, stopped: bool) -> None:
-        control = self.control
-        # A pre-empted job has no time to spare, and Ctrl-C asks to end now.
-        if self.cfg.evaluate and not control.preempted and not control.interrupted:
-            due = [e for e in self.evaluators if getattr(e, "last_step", None) != self.global_step]
-            if due and self.global_step > 0:
-                self.validate(due, kind="final")
-        if stopped:
-            start = time.perf_counter()
-            if control.preempted:
-                self.logger.warning(f"Pre-empted by {control.describe().removeprefix('pre-empted by ')} at step "
-                                    f"{self.global_step}: saving a checkpoint")
-            elif control.interrupted:
-                self.logger.warning(f"Interrupted by Ctrl-C at step {self.global_step}: saving a checkpoint")
-            else:
-                self.logger.warning(f"Stopping at step {self.global_step} ({self.control.describe()}): saving a "
-                                    "checkpoint")
-                self.train_state.stop_reason = self.control.describe()
-            self.save_checkpoint()
-            self.checkpointer.wait()  # committed before the process exits
-            # Rank 0 commits after the others wrote their files: no rank reports the checkpoint
-            # (and exits 75 / 130) before the commit, so a launcher that stops the remaining
-            # workers once one has exited (torchrun) cannot cut the commit short.
-            comm.synchronize()
-            then = ("exiting with code 75 (rerun with resume=True to continue)" if control.preempted
-                    else "exiting with code 130" if control.interrupted else "training stopped")
-            self.logger.warning(f"Checkpoint committed in {time.perf_counter() - start:.1f}s; {then}")
-        self.metrics.flush()
-        self.checkpointer.wait()
 
     # -- the loop -----------------------------------------------------------
     _pending_start_sample = 0
@@ -422,7 +229,9 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         """The next training batch, on the device; the time it took is ``time/data``."""
         start = time.perf_counter()
         tracer = self.tracer
-        t = tracer.now()
+        traced = tracer.enabled  # off: no tracer call at all (each no-op call still costs one)
+        if traced:
+            t = tracer.now()
         try:
             batch = next(self._data_iter)
         except StopIteration:
@@ -430,9 +239,11 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 f"the training data ran out after {self.iter} of {self.iters_per_epoch} steps in epoch "
                 f"{self.epoch + 1}; lower train.iters_per_epoch or fix the data set's length"
             ) from None
-        t = tracer.complete("data_fetch", t)
+        if traced:
+            t = tracer.complete("data_fetch", t)
         batch = self.to_device(batch)
-        tracer.complete("batch_to_device", t)
+        if traced:
+            tracer.complete("batch_to_device", t)
         self._data_time += time.perf_counter() - start
         return batch
 
@@ -442,6 +253,8 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         """The model's training forward pass (under autocast when AMP is on)."""
         if self._first_forward:
             return self._first_forward_checked(batch)
+        if self.autocast is no_autocast:  # AMP off: no context to enter on every step
+            return self.model(batch)
         with self.autocast():
             return self.model(batch)
 
@@ -488,6 +301,7 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
         optim_step = self.optim_step
         step_loss = None
         tracer = self.tracer
+        traced = tracer.enabled  # off: the step makes no tracer call at all
         kept = [] if self.oom_backoff is not None else None  # the step's batches, to redo them after an OOM
         sizes = []  # (points, events) of point-cloud batches, for train/avg_pts
         try:
@@ -497,29 +311,36 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
                 if kept is not None:
                     kept.append(batch)
                 with optim_step.sync(last=micro == accum - 1):
-                    t = tracer.now()
+                    if traced:
+                        t = tracer.now()
                     output = self.forward(batch)
                     loss = output["loss"] / accum if accum > 1 else output["loss"]
-                    t = tracer.complete("forward", t)
+                    if traced:
+                        t = tracer.complete("forward", t)
                     optim_step.backward(loss)
-                    tracer.complete("backward", t)
+                    if traced:
+                        tracer.complete("backward", t)
                 step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         except torch.OutOfMemoryError as oom:
             if kept is None:
                 raise
             output = loss = None  # the failed attempt's graph must not outlive it
             batch, output, step_loss = self.oom_backoff.redo_step(self, kept, oom)
-        avg_pts = data_lib.points_per_sample(sizes)
-        if avg_pts is not None and isinstance(output, dict):
-            output = {**output, "avg_pts": avg_pts}  # logged with the model's scalars, as upstream
+        if sizes[0] is not None:  # point-cloud batches: train/avg_pts (no work for other data)
+            avg_pts = data_lib.points_per_sample(sizes)
+            if avg_pts is not None and isinstance(output, dict):
+                output = {**output, "avg_pts": avg_pts}  # logged with the model's scalars, as upstream
         # Visible to after_backward hooks (called inside step()) and after_step hooks.
         info["input_dict"], info["model_output_dict"], info["loss"] = batch, output, step_loss
-        t = tracer.now()
-        self.step_result = optim_step.step()
-        tracer.complete("optimizer", t)
+        if traced:
+            t = tracer.now()
+            self.step_result = optim_step.step()
+            tracer.complete("optimizer", t)
+        else:
+            self.step_result = optim_step.step()
         self.publish_step(step_loss, self.step_result, output)
-        if tracer.batch_stats_every and tracer.step % tracer.batch_stats_every == 0:
-            tracer.counter("batch", **batch_stats(batch, self.batch_size_per_rank * accum))
+        if traced and tracer.batch_stats_every and tracer.step % tracer.batch_stats_every == 0:
+            tracer.counter("batch", **data_lib.batch_stats(batch, self.batch_size_per_rank * accum))
 
     def publish_step(self, loss: torch.Tensor, result, output: dict | None = None) -> None:
         """This step's scalars: ``train/loss``, ``train/lr`` (the rate the step used),
@@ -581,17 +402,3 @@ class DefaultTrainer(ComponentBuilders, Evaluation, TrainerBase):
             for loader in (self.train_loader, self._val_loader, self._test_loader):
                 if loader is not None:
                     data_lib.shutdown_loader(loader)
-
-
-
-def batch_stats(batch, samples: int) -> dict:
-    """What a ``batch`` trace counter records: samples, and for point-cloud batches
-    (an ``offset`` of cumulative event ends, see docs/contract.md) the points."""
-    stats = {"samples": samples}
-    offset = batch.get("offset") if isinstance(batch, dict) else None
-    if isinstance(offset, torch.Tensor) and offset.numel():
-        coord = batch.get("coord")
-        # The points are coord's rows: a shape, where reading offset[-1] would make the
-        # host wait for the device at every traced step.
-        stats["points"] = coord.shape[0] if isinstance(coord, torch.Tensor) else int(offset[-1])
-    return stats

@@ -12,11 +12,11 @@ import weakref
 
 import torch
 
-from pimm.engines.eval_records import write_eval_record
+from pimm.engines.observe.eval_records import write_eval_record
 from pimm.engines.hooks.base import EvalRun
 from pimm.engines.registries import TESTERS
 from pimm.engines.state import load_weights
-from pimm.engines.sync_points import host_sync
+from pimm.engines.loop.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError
 from pimm.utils.files import set_aside
@@ -27,7 +27,7 @@ __all__ = ["Evaluation", "TestScoring"]
 
 class TestScoring:
     """Scoring weights on the test split, shared by DefaultTrainer (``FinalEvaluator``
-    tests the best weights after training) and :class:`~pimm.engines.testers.Tester`
+    tests the best weights after training) and :class:`~pimm.engines.loop.testers.Tester`
     (``tools/test.py``). A mixin over ``cfg``, ``evaluators``, ``test_loader``,
     ``model_without_ddp``, ``full_parameters``, ``save_path``, ``logger``."""
 

@@ -1,6 +1,6 @@
 """GANTrainer: several networks updated in turn, each by its own optimizer.
 
-The config names the parts (:mod:`pimm.engines.optim_parts`)::
+The config names the parts (:mod:`pimm.engines.optim.parts`)::
 
     train = dict(type="GANTrainer")
     optimizer = dict(disc=dict(type="Adam", lr=2e-4), gen=dict(type="Adam", lr=2e-4))

@@ -33,7 +33,7 @@ it. The trainer owns the loop:
   The trainer wraps the model in :class:`_PolicyLoss`, whose ``forward`` is
   the model's ``grpo_loss_from_batch``, and wraps that in DDP; gradients of
   all but the last micro-batch are kept local (``no_sync``);
-* the update itself is the engine's :class:`~pimm.engines.optim_step.OptimStep`
+* the update itself is the engine's :class:`~pimm.engines.optim.step.OptimStep`
   (AMP scaling, gradient sync on the last micro-batch only, clipping, the
   GradScaler skip rule, the scheduler), so ``after_backward`` hooks see the
   gradients of each update;
@@ -52,11 +52,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pimm.engines import data as data_lib
-from pimm.engines.parallel import shard_model
+from pimm.engines.run import data as data_lib
+from pimm.engines.run.parallel import shard_model
 from pimm.engines.registries import TRAINERS
-from pimm.engines.scheduler import build_scheduler
-from pimm.engines.sync_points import host_sync
+from pimm.engines.optim.scheduler import build_scheduler
+from pimm.engines.loop.sync_points import host_sync
 from pimm.engines.trainers.default import DefaultTrainer
 from pimm.engines.trainers.grpo_pimm import (_global_totals, combine_micro_batch_metrics,  # noqa: F401 (re-exported)
                                              PimmFormat, reward_health, split_rollout)

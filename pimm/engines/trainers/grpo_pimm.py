@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from pimm.engines.metrics import reduce_op_by_suffix
+from pimm.engines.observe.metrics import reduce_op_by_suffix
 from pimm.utils import comm
 from pimm.utils.errors import UserError
 

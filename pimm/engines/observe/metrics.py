@@ -1,0 +1,325 @@
+"""The metric channel: the one way trainers and hooks publish scalars and read
+each other's.
+
+::
+
+    metrics = trainer.metrics
+    metrics.publish({"train/loss": loss, "train/lr": lr}, dense=True)   # device tensors: no host sync
+    metrics.publish({"train/reward_min": r}, reduce="min")              # reduced across ranks by min
+    metrics.latest("val/mIoU")                                          # what another hook published
+    metrics.mean("time/step")                                           # windowed host value (log lines)
+    metrics.direction("val/loss")                                       # "min" | "max" | None
+    metrics.best                                                        # BestMetric(name, mode, value, step)
+
+Every ``publish`` makes one record at the current step. Host numbers are
+kept as given (every rank publishes the same ones, or rank 0's are written).
+Device tensors stay on the device until :meth:`MetricChannel.flush`, which
+stacks them once per reduce op, moves them to the host in one transfer and
+reduces them across ranks by their op (``mean``, ``sum``, ``min``, ``max``;
+``last`` keeps rank 0's value). Flushing is a collective: every rank flushes
+at the same points (the log cadence, evaluations, checkpoints, the end), and
+the channel flushes by itself when ``max_pending`` records pile up, which
+happens at the same step on every rank because records are published in
+lockstep.
+
+A metric's direction (is larger better?) is declared once, by whoever
+defines the metric (an evaluator for ``val/<metric_name>``), and read by
+everyone who ranks values: best-checkpoint selection, early stopping. The
+best value itself lives here too and is saved in every checkpoint.
+
+Non-finite values of a watched tag (``train/loss`` by default) raise
+:class:`NonFiniteMetric` at the flush that first sees them, before anything
+(a checkpoint included) is written from the broken state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from pimm.engines.loop.sync_points import host_sync
+from pimm.utils import comm
+from pimm.utils.errors import ConfigError
+
+__all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix", "reduce_values"]
+
+REDUCE_OPS = ("mean", "sum", "min", "max", "last")
+DIRECTIONS = ("min", "max")
+
+
+class NonFiniteMetric(FloatingPointError):
+    """A watched scalar (the training loss) became NaN or infinite."""
+
+    def __init__(self, step: int, tag: str, others: list[str]):
+        self.step, self.tag, self.others = step, tag, others
+        also = f" (also non-finite at that step: {', '.join(others)})" if others else ""
+        super().__init__(
+            f"{tag} is not finite at step {step}{also}; the run stops here and the last checkpoint before it is "
+            "kept untouched. Lower the learning rate, enable clip_grad, or check the data; the NaNGuard hook can "
+            "skip such steps instead"
+        )
+
+
+def reduce_op_by_suffix(name: str) -> str:
+    """``*_min`` -> min, ``*_max`` -> max, ``*_sum`` -> sum, anything else -> mean."""
+    for suffix in ("min", "max", "sum"):
+        if name.endswith("_" + suffix):
+            return suffix
+    return "mean"
+
+
+def reduce_values(op: str, values: list[float]) -> float:
+    """One tag's values over a logging window reduced by its op (``mean``, ``sum``,
+    ``min``, ``max``, ``last``): what the dashboards and the console line show."""
+    if op == "last":
+        return values[-1]
+    if op in ("min", "max", "sum"):
+        return {"min": min, "max": max, "sum": sum}[op](values)
+    return sum(values) / len(values)
+
+
+def tag_op(reduce: str | dict[str, str], tag: str) -> str:
+    """The reduce op of ``tag`` in a record published with ``reduce``."""
+    return reduce if isinstance(reduce, str) else reduce.get(tag, "mean")
+
+
+@dataclass
+class BestMetric:
+    """The best value so far of the metric that selects ``model_best.pth``:
+    its ``name``, ``mode`` (``"max"`` or ``"min"``, from the metric's declared
+    direction), ``value`` and the ``step`` it was reached at. NaN is never better.
+    """
+    name: str | None = None
+    mode: str | None = None
+    value: float | None = None
+    step: int | None = None
+
+    def is_better(self, value: float) -> bool:
+        """Whether ``value`` beats the best so far in this metric's direction (NaN never does)."""
+        if value is None or math.isnan(value):
+            return False
+        if self.value is None:
+            return True
+        return value > self.value if self.mode == "max" else value < self.value
+
+
+class MetricChannel:
+    """The one typed channel hooks and trainers share scalars through.
+
+    Values are published per step with a reduce op (:meth:`publish`,
+    :meth:`put`), kept on the device, and reduced across ranks in one collective
+    per op at :meth:`flush` (which every rank must call at the same points); the
+    reduced records go to ``sink`` (the writer). Metric directions are declared
+    once (:meth:`declare`) and shared by best-checkpoint selection and early
+    stopping; the best value lives in ``best`` and is part of the checkpoint.
+
+    Args:
+        sink: called with the flushed records and their kinds (None: nowhere).
+        max_pending: flush by itself once this many records are buffered.
+        window: length of the per-tag windows that :meth:`mean` averages.
+        watch_finite: tags whose non-finite value stops the run
+            (:class:`NonFiniteMetric`).
+        tracer: records each flush as a ``metric_sync`` span.
+    """
+    def __init__(self, sink: Callable[[list[dict], list[tuple]], None] | None = None, max_pending: int = 1000,
+                 window: int = 20, watch_finite: tuple[str, ...] = ("train/loss",), tracer=None):
+        self.sink = sink
+        self.tracer = tracer
+        self.max_pending = max_pending
+        self.watch_finite = set(watch_finite)
+        self.step, self.epoch = 0, 0  # set by the trainer at each step boundary
+        self._pending: list[tuple[int, int, dict, Any, bool]] = []
+        self._latest: dict[str, Any] = {}
+        self._windows: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
+        self._directions: dict[str, str] = {}
+        self._kinds: dict[str, tuple[bool, str]] = {}  # tag -> (dense, reduce op), as last flushed
+        self.best = BestMetric()
+
+    # -- publishing -----------------------------------------------------
+    def publish(self, scalars: dict[str, Any], *, reduce: str | dict[str, str] = "mean", dense: bool = False,
+                log: bool = True, step: int | None = None) -> None:
+        """Record ``tag: value`` pairs at the current step (or ``step``).
+
+        ``reduce`` is one op for all tags or a ``{tag: op}`` dict (missing tags:
+        mean). ``dense=True`` marks a per-step series: every value goes to
+        ``metrics.jsonl``; dashboards get each flushed window's reduction.
+        ``log=False`` shares values with other hooks without writing them."""
+        for name, value in scalars.items():
+            if not isinstance(value, torch.Tensor):
+                self._latest[name] = value
+                self._windows[name].append(value)
+        if log:
+            self._pending.append((self.step if step is None else step, self.epoch, scalars, reduce, dense))
+            if len(self._pending) >= self.max_pending:
+                self.flush()
+
+    def put(self, name: str, value: Any, *, reduce: str = "mean", log: bool = True) -> None:
+        """One scalar; see :meth:`publish`."""
+        self.publish({name: value}, reduce=reduce, log=log)
+
+    def publish_local(self, scalars: dict[str, float], step: int | None = None) -> None:
+        """Host values of this rank alone (upstream's ``trainer.writer.add_scalar``,
+        called on rank 0 only): written as given at the next flush, and never a
+        reason to flush by themselves (other ranks have no such record, and a
+        flush is a collective)."""
+        for name, value in scalars.items():
+            self._latest[name] = value
+            self._windows[name].append(value)
+        self._pending.append((self.step if step is None else step, self.epoch, dict(scalars), "last", False))
+
+    def record(self, name: str, value: float) -> None:
+        """A host number shared with other hooks, not logged (timings): the
+        cheapest :meth:`put` for per-step values."""
+        self._latest[name] = value
+        self._windows[name].append(value)
+
+    # -- reading --------------------------------------------------------
+    def latest(self, name: str, default: Any = None) -> Any:
+        """The newest value of ``name``, reduced across ranks. Device tensors
+        count once flushed (log cadence, evaluations, checkpoints)."""
+        return self._latest.get(name, default)
+
+    def mean(self, name: str, default: float = float("nan")) -> float:
+        """Mean of the recent host values of ``name`` (a window of 20)."""
+        values = self._windows.get(name)
+        return sum(values) / len(values) if values else default
+
+    def names(self) -> list[str]:
+        """Every tag published so far (logged or not), sorted."""
+        return sorted(self._latest)
+
+    def kind(self, name: str) -> tuple[bool, str]:
+        """``(dense, reduce op)`` of ``name`` as last flushed (``(False, "mean")`` if never)."""
+        return self._kinds.get(name, (False, "mean"))
+
+    # -- directions and the best value ------------------------------------
+    def declare(self, name: str, mode: str) -> None:
+        """Declare whether larger (``max``) or smaller (``min``) is better for ``name``."""
+        if mode not in DIRECTIONS:
+            raise ConfigError(f"metric {name!r}: mode must be 'min' or 'max', got {mode!r}")
+        known = self._directions.get(name)
+        if known is not None and known != mode:
+            raise ConfigError(f"metric {name!r} is declared both {known!r} and {mode!r}: one metric has one direction")
+        self._directions[name] = mode
+
+    def resolve_direction(self, name: str, mode: str | None, who: str, hint: str = "") -> str:
+        """The direction a hook ``who`` ranks ``name`` by: the declared one when
+        ``mode`` is None, else ``mode``, which then declares it (one metric has one
+        direction for everyone who ranks it). ConfigError, naming ``who``, when
+        there is neither or the two disagree. ``hint`` ends the "no direction" line
+        (what else the user could monitor)."""
+        declared = self._directions.get(name)
+        if mode is None:
+            if declared is None:
+                known = ", ".join(sorted(n for n in self._directions if n.split("/", 1)[0] == name.split("/", 1)[0]))
+                raise ConfigError(f"{who}: metric {name!r} has no declared direction (declared: {known or 'none'}); "
+                                  f"monitor one of those, or set mode='max' or mode='min'{hint}")
+            return declared
+        if declared is not None and declared != mode:
+            raise ConfigError(f"{who}: mode={mode!r} contradicts {name!r}, which its evaluator declares "
+                              f"{declared!r} (larger is {'better' if declared == 'max' else 'worse'}); drop mode= to "
+                              "use the declared direction")
+        self.declare(name, mode)
+        return mode
+
+    def declared(self) -> dict[str, str]:
+        """Every declared metric name with its direction (a copy)."""
+        return dict(self._directions)
+
+    def direction(self, name: str) -> str | None:
+        """``"min"`` or ``"max"`` as declared for ``name``, or None."""
+        return self._directions.get(name)
+
+    def track_best(self, name: str) -> None:
+        """Make ``name`` (declared beforehand) the metric that selects the best model."""
+        if name not in self._directions:
+            raise ConfigError(f"best metric {name!r} has no declared direction")
+        if self.best.name is None:
+            self.best = BestMetric(name=name, mode=self._directions[name])
+            restored = self._restored_best  # a metric first tracked after a resume (a user evaluator's)
+            if restored.get("name") == name:
+                self.best.value, self.best.step = restored.get("value"), restored.get("step")
+
+    _restored_best: dict = {}
+
+    def update_best(self, name: str, value: float, step: int) -> bool:
+        """Record ``value`` of ``name`` if it is the tracked metric and beats the best; True when it does."""
+        if name != self.best.name or not self.best.is_better(value):
+            return False
+        self.best.value, self.best.step = float(value), step
+        return True
+
+    def state_dict(self) -> dict:
+        """The best value (name, mode, value, step)."""
+        return {"best": dict(name=self.best.name, mode=self.best.mode, value=self.best.value, step=self.best.step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back the best value (when it names the same metric)."""
+        best = state.get("best") or {}
+        self._restored_best = dict(best)
+        if best.get("name") is not None and best["name"] == self.best.name:
+            self.best.value, self.best.step = best.get("value"), best.get("step")
+
+    # -- flushing -------------------------------------------------------
+    def flush(self) -> list[dict]:
+        """Reduce everything buffered and hand it to the sink (a collective).
+        Returns the records, identical on every rank."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        t0 = self.tracer.now() if self.tracer is not None else 0
+        with host_sync("metric flush"):  # the one host read of everything published since the last flush
+            values = _reduce_tensors(pending)
+        if self.tracer is not None:
+            self.tracer.complete("metric_sync", t0)
+        records, kinds = [], []
+        for index, (step, epoch, scalars, reduce, dense) in enumerate(pending):
+            record = {"step": step, "epoch": epoch}
+            for tag, value in scalars.items():
+                if isinstance(value, torch.Tensor):
+                    value = values[(index, tag)]
+                    self._latest[tag] = value
+                record[tag] = value
+                self._kinds[tag] = (dense, tag_op(reduce, tag))
+            records.append(record)
+            kinds.append((dense, reduce))
+        if self.sink is not None:
+            self.sink(records, kinds)  # written first (as null): the log shows where it went wrong
+        self._check_finite(records)
+        return records
+
+    def discard(self) -> None:
+        """Drop what is buffered (after a failure, when other ranks may never flush)."""
+        self._pending.clear()
+
+    def _check_finite(self, records: list[dict]) -> None:
+        for record in records:
+            bad = [tag for tag, value in record.items()
+                   if isinstance(value, float) and not math.isfinite(value) and tag not in ("step", "epoch")]
+            watched = [tag for tag in bad if tag in self.watch_finite]
+            if watched:
+                raise NonFiniteMetric(record["step"], watched[0], [t for t in bad if t != watched[0]])
+
+
+def _reduce_tensors(pending: list) -> dict[tuple[int, str], float]:
+    """One stack, one host transfer and one collective per reduce op in use."""
+    by_op: dict[str, list[tuple[tuple[int, str], torch.Tensor]]] = defaultdict(list)
+    for index, (_, _, scalars, reduce, _) in enumerate(pending):
+        for tag, value in scalars.items():
+            if isinstance(value, torch.Tensor):
+                op = tag_op(reduce, tag)
+                by_op[op].append(((index, tag), value))
+    out: dict[tuple[int, str], float] = {}
+    for op, items in by_op.items():
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"metric {items[0][0][1]!r}: reduce must be one of {REDUCE_OPS}, got {op!r}")
+        stacked = torch.stack([t.detach().reshape(()).float() for _, t in items])
+        if op != "last":
+            stacked = comm.all_reduce(stacked, op=op)
+        for (key, _), value in zip(items, stacked.tolist()):
+            out[key] = value
+    return out

@@ -1,8 +1,0 @@
-"""Upstream pimm's import path for the tester registry: ``from pimm.engines.test
-import TESTERS``. A registered tester is named by the config's ``test = dict(type=...)``
-(see :mod:`pimm.engines.testers`)."""
-
-from pimm.engines.registries import TESTERS
-from pimm.engines.testers import Tester, TesterBase
-
-__all__ = ["TESTERS", "Tester", "TesterBase"]
