@@ -92,7 +92,7 @@ def test_trace_and_plot_errors_are_one_line(tmp_path, capsys):
 
 
 def test_submit_dispatches_to_the_submit_tool(monkeypatch):
-    from pimm.tools import submit
+    from pimm.cli import submit
 
     calls = []
     monkeypatch.setattr(submit, "main", lambda argv: calls.append(argv) or 0)

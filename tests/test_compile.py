@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pimm.engines.compile import check_compile, compile_model
+from pimm.engines.optim.compile import check_compile, compile_model
 from pimm.utils.errors import ConfigError
 from tests.support.run import ROOT, non_log_lines, run_tool, write_toy_config
 from tests.test_resume import SIGKILLED, Run, assert_clean_losses, assert_same_weights

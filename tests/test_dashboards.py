@@ -185,7 +185,7 @@ def test_every_tag_reaches_tensorboard_and_wandb_once_per_window(tmp_path, monke
 
 def test_a_window_is_reduced_per_tag_even_when_the_last_record_lacks_it():
     """The regression behind the issue: a window whose last record came from another publisher."""
-    from pimm.engines.writers import DashboardWindow
+    from pimm.engines.observe.writers import DashboardWindow
 
     window = DashboardWindow()
     records = [{"step": 1, "epoch": 1, "a": 1.0}, {"step": 1, "epoch": 1, "b": 5.0},

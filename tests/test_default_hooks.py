@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pimm.cli import register_all
-from pimm.engines.default_hooks import DEFAULT_HOOKS, assemble_hooks
+from pimm.engines.loop.default_hooks import DEFAULT_HOOKS, assemble_hooks
 from pimm.engines.hooks.live_control import AUDIT_FILE
-from pimm.engines.launch import build_trainer, load_config
+from pimm.engines.run.launch import build_trainer, load_config
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError
 from tests.support import forkserver

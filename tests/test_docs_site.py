@@ -94,7 +94,7 @@ def test_the_cli_reference_is_current():
 def test_the_cli_reference_lists_every_option_of_the_real_parsers():
     """The generated page against the parsers themselves: a changed flag shows up."""
     text = (DOCS / "cli.md").read_text()
-    from pimm.engines.launch import _parser
+    from pimm.engines.run.launch import _parser
 
     for action in _parser("train")._actions:
         for flag in action.option_strings if action.dest != "help" else ():
@@ -102,7 +102,7 @@ def test_the_cli_reference_lists_every_option_of_the_real_parsers():
     for command in ("pimm trace summarize", "pimm trace export", "pimm plot", "pimm submit",
                     "tools/train.py", "tools/test.py", "tools/convert_checkpoint.py", "tools/export_pilarnet.py"):
         assert f"`{command}`" in text
-    from pimm.engines.runtime import RUNTIME_KEYS
+    from pimm.engines.run.runtime import RUNTIME_KEYS
 
     for key in RUNTIME_KEYS:
         assert f"| `{key.name}` |" in text, f"docs/cli.md lacks the runtime key {key.name}"

@@ -34,8 +34,8 @@ from tests.support.run import non_log_lines, write_toy_config  # noqa: E402
 
 import pimm.engines.hooks  # noqa: E402,F401
 import pimm.engines.trainers  # noqa: E402,F401
-from pimm.engines.launch import load_config  # noqa: E402
-from pimm.engines.launch import main as launch_main  # noqa: E402
+from pimm.engines.run.launch import load_config  # noqa: E402
+from pimm.engines.run.launch import main as launch_main  # noqa: E402
 from pimm.utils.config_domains import domains_of, undeclared  # noqa: E402
 from pimm.utils.config_options import parse_value  # noqa: E402
 from pimm.utils.domains import PosInt, Real  # noqa: E402
@@ -80,7 +80,7 @@ def test_every_registered_argument_has_a_declared_domain():
 
 
 def test_every_runtime_key_has_a_domain_that_refuses_something():
-    from pimm.engines.runtime import RUNTIME_KEYS
+    from pimm.engines.run.runtime import RUNTIME_KEYS
 
     hostile = [None, -1, "zzz", 10**12, [], 1e30, math.nan]
     takes_anything = []

@@ -93,7 +93,7 @@ def test_attempt_provenance_reads_commit_dirty_flag_and_diff_hash_from_a_checkou
     """attempts.jsonl's ``git`` field: the checkout's commit; ``dirty`` and a
     hash that changes with the uncommitted diff; untracked files count; None
     outside a checkout."""
-    from pimm.engines.run_dir import _git_info
+    from pimm.engines.run.run_dir import _git_info
 
     def git(*args):
         return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],

@@ -22,10 +22,10 @@ if str(ROOT) not in sys.path:
 import pimm.datasets  # noqa: E402,F401  (registers data sets)
 import pimm.evaluation  # noqa: E402,F401  (registers evaluators)
 import pimm.models  # noqa: E402,F401  (registers models)
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from pimm.engines.metrics import MetricChannel, NonFiniteMetric, reduce_op_by_suffix  # noqa: E402
-from pimm.engines.optim_step import OptimStep  # noqa: E402
-from pimm.engines.runtime import render_default_runtime  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.observe.metrics import MetricChannel, NonFiniteMetric, reduce_op_by_suffix  # noqa: E402
+from pimm.engines.optim.step import OptimStep  # noqa: E402
+from pimm.engines.run.runtime import render_default_runtime  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
 from tests.support.toy import PhaseRecorder  # noqa: E402

@@ -21,7 +21,7 @@ import pimm.cli
 
 pimm.cli.register_all()
 
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager  # noqa: E402
 from pimm.utils.errors import UserError  # noqa: E402
 from tests.support.run import ROOT, final_weights, run_tool  # noqa: E402

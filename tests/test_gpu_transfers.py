@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pimm.engines.hooks.memory import EmptyCache
-from pimm.engines.runtime import apply_process_settings
+from pimm.engines.run.runtime import apply_process_settings
 from pimm.engines.state.manager import CheckpointManager
 from pimm.engines.state.snapshot import SnapshotBuffers
 from pimm.utils.config import Config

@@ -18,8 +18,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pimm.cli import register_all  # noqa: E402
-from pimm.engines.grad_checkpoint import apply_gradient_checkpointing, is_checkpointed  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.optim.grad_checkpoint import apply_gradient_checkpointing, is_checkpointed  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import final_weights, train_losses, write_toy_config  # noqa: E402
 

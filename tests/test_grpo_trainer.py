@@ -17,10 +17,10 @@ import torch.multiprocessing as mp
 import pimm.datasets  # noqa: F401  (registers)
 import pimm.evaluation  # noqa: F401
 import pimm.models  # noqa: F401
-from pimm.engines.metrics import MetricChannel, reduce_op_by_suffix
+from pimm.engines.observe.metrics import MetricChannel, reduce_op_by_suffix
 from pimm.engines.trainers.grpo import combine_micro_batch_metrics, split_rollout
-from pimm.engines.launch import build_trainer
-from pimm.engines.runtime import apply_runtime_defaults, validate_runtime
+from pimm.engines.run.launch import build_trainer
+from pimm.engines.run.runtime import apply_runtime_defaults, validate_runtime
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.support.upstream_grpo import Trajectory  # registers UpstreamBandit
-from pimm.engines.launch import build_trainer
-from pimm.engines.runtime import apply_runtime_defaults, validate_runtime
+from pimm.engines.run.launch import build_trainer
+from pimm.engines.run.runtime import apply_runtime_defaults, validate_runtime
 from pimm.engines.trainers.grpo_upstream import (combine_chunk_outputs, is_upstream_rollout, summarize_updates,
                                                  upstream_chunks)
 from pimm.utils.config import Config

@@ -202,7 +202,7 @@ def test_disk_full_during_a_save_is_one_line_naming_the_file_and_enospc(tmp_path
 
 FULL_DISK_TENSORBOARD = """
 import logging, sys
-from pimm.engines.writers import MetricsWriter
+from pimm.engines.observe.writers import MetricsWriter
 from pimm.utils.logger import setup_logger
 setup_logger(None, rank=0)
 run = sys.argv[1]
@@ -254,7 +254,7 @@ def test_a_failed_checkpoint_write_names_the_file_and_the_os_error(tmp_path, mon
 def test_failure_line_points_at_the_log_only_when_it_holds_the_traceback(tmp_path):
     import errno
 
-    from pimm.engines.launch import _failure_line
+    from pimm.engines.run.launch import _failure_line
     from pimm.utils.logger import setup_logger
 
     setup_logger(None)  # no train.log
@@ -323,7 +323,7 @@ def test_test_metrics_json_writes_null_for_non_finite_values(tmp_path):
 
 # -- options (13, 14) -----------------------------------------------------------------------------
 def test_model_grpo_options_are_checked_against_the_objective(tmp_path):
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
     from pimm.utils.errors import ConfigError
 
     config = str(ROOT / "configs" / "grpo" / "tracks-grpo.py")
@@ -344,8 +344,8 @@ def test_a_shard_modules_typo_is_caught_on_one_process(tmp_path):
 # -- GRPO rewards (4) -----------------------------------------------------------------------------------
 def _grpo_trainer(tmp_path, **model):
     import tests.support.hostile  # noqa: F401  (registers NaNRewardPolicy)
-    from pimm.engines.launch import build_trainer
-    from pimm.engines.runtime import apply_runtime_defaults, validate_runtime
+    from pimm.engines.run.launch import build_trainer
+    from pimm.engines.run.runtime import apply_runtime_defaults, validate_runtime
     from pimm.utils.config import Config
 
     cfg = Config.fromfile(str(ROOT / "configs" / "grpo" / "tracks-grpo.py"))
@@ -406,7 +406,7 @@ def test_a_failed_metrics_write_names_metrics_jsonl(tmp_path):
     # A file's write() error carries no file name; the one error line needs it.
     import errno
 
-    from pimm.engines.writers import MetricsWriter
+    from pimm.engines.observe.writers import MetricsWriter
 
     class FullDisk:
         def write(self, text):

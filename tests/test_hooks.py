@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 import pimm.datasets, pimm.evaluation, pimm.models  # noqa: E402,F401,E401  (registers data sets, evaluators, models)
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.base import build_hooks  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.errors import TrainingPreempted  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402

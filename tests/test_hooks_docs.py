@@ -114,7 +114,7 @@ def test_each_example_builds_and_trains(tmp_path, title, index, block):
 
 
 def test_the_shipped_ema_and_early_stopping_config_loads_with_its_hooks(tmp_path):
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     cfg, hooks = load_config(str(ROOT / "configs" / "rings" / "cls-cnn-ema-earlystop.py"),
                              [f"save_path={tmp_path / 'run'}"], world_size=1)

@@ -22,8 +22,8 @@ if str(ROOT) not in sys.path:
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.base import build_hooks  # noqa: E402
 from pimm.engines.hooks.ema import EMAHook, ema_decay  # noqa: E402
-from pimm.engines.metrics import MetricChannel  # noqa: E402
-from pimm.engines.optim_step import StepResult  # noqa: E402
+from pimm.engines.observe.metrics import MetricChannel  # noqa: E402
+from pimm.engines.optim.step import StepResult  # noqa: E402
 from pimm.utils.errors import ConfigError, RegistryError  # noqa: E402
 from tests.support.inprocess import hook_of, make_trainer, records  # noqa: E402
 from tests.support.run import run_tool, write_toy_config  # noqa: E402

@@ -24,9 +24,9 @@ if str(ROOT) not in sys.path:
 from pimm.cli import register_all  # noqa: E402
 from pimm.engines import scale_lr  # noqa: E402
 from pimm.engines.hooks.live_control import AUDIT_FILE, parse_control  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.optim import build_optimizer  # noqa: E402
-from pimm.engines.scheduler import build_scheduler  # noqa: E402
+from pimm.engines.optim.scheduler import build_scheduler  # noqa: E402
 from tests.support.run import final_weights, run_tool, train_losses, write_toy_config  # noqa: E402
 
 register_all()  # models, data sets, evaluators

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pimm.engines import SCHEDULERS
-from pimm.engines.scheduler import build_scheduler
+from pimm.engines.optim.scheduler import build_scheduler
 from pimm.models.losses import LOSSES, build_criteria
 from pimm.utils.errors import ConfigError
 

@@ -24,7 +24,7 @@ from pimm.engines import scale_lr
 from pimm.engines.hooks.base import EvalRun
 from pimm.engines.hooks.lr_plateau import counts_for_plateau
 from pimm.engines.optim import build_optimizer
-from pimm.engines.scheduler import MIN_LR_SCALE, build_scheduler
+from pimm.engines.optim.scheduler import MIN_LR_SCALE, build_scheduler
 from pimm.utils.errors import CheckpointError, ConfigError
 from tests.support.inprocess import hook_of, make_trainer, records
 from tests.support.run import ROOT, final_weights, run_tool, train_losses

@@ -15,8 +15,8 @@ import pimm.datasets  # noqa: F401  (registers)
 import pimm.evaluation  # noqa: F401
 import pimm.models  # noqa: F401
 from pimm.datasets.collate import collate_fn, inseg_collate_fn, point_collate_fn
-from pimm.engines.launch import build_trainer
-from pimm.engines.runtime import apply_runtime_defaults, validate_runtime
+from pimm.engines.run.launch import build_trainer
+from pimm.engines.run.runtime import apply_runtime_defaults, validate_runtime
 from pimm.utils.config import Config
 from tests.test_lartpc_trainers import BASE
 

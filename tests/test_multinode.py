@@ -161,7 +161,7 @@ def test_worker_restarted_by_torchrun_resumes(monkeypatch, restart_count, given,
     save_path guard."""
     from types import SimpleNamespace
 
-    from pimm.engines.launch import _resume_after_elastic_restart
+    from pimm.engines.run.launch import _resume_after_elastic_restart
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart_count)
     cfg = SimpleNamespace(resume=given)

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 from pimm.cli import register_all  # noqa: E402
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.on_demand import OnDemandValidation  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import ROOT as REPO, env, final_weights, write_toy_config  # noqa: E402
 

@@ -25,8 +25,8 @@ if str(ROOT) not in sys.path:
 
 from pimm.cli import register_all  # noqa: E402
 from pimm.datasets.collate import collate_fn, point_collate_fn, split_point_batch  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from pimm.engines.oom_backoff import OOMBackoff, find_splitter, split_by_leading_dim  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.optim.oom_backoff import OOMBackoff, find_splitter, split_by_leading_dim  # noqa: E402
 from pimm.utils.errors import ConfigError, UserError  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pimm.engines.optim import build_optimizer
-from pimm.engines.scheduler import build_scheduler
+from pimm.engines.optim.scheduler import build_scheduler
 from pimm.engines.state.participants import OptimizerParticipant
 from pimm.engines.state.restore import RestoreContext
 from pimm.utils.errors import CheckpointError, ConfigError, RegistryError

@@ -20,9 +20,9 @@ from pimm.engines.state import participants as participants_module  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager  # noqa: E402
 from pimm.engines.state.participants import (Participant, StateDictParticipant,  # noqa: E402
                                              as_participant)
-from pimm.engines.trainer_base import TrainerBase  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from pimm.engines.tracing import build_tracer  # noqa: E402
+from pimm.engines.loop.trainer_base import TrainerBase  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.observe.tracing import build_tracer  # noqa: E402
 from tests.support.inprocess import SMALL, make_trainer, records  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
 

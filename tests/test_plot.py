@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pimm.cli import main as pimm_main  # noqa: E402
-from pimm.tools.plot import load_metrics, plot_runs, smooth  # noqa: E402
+from pimm.cli.plot import load_metrics, plot_runs, smooth  # noqa: E402
 from tests.support import forkserver  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import run_tool, write_toy_config  # noqa: E402

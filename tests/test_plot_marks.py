@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure  # noqa: E402
 
-from pimm.tools.plot import best_index, is_evaluation, plot_runs  # noqa: E402
+from pimm.cli.plot import best_index, is_evaluation, plot_runs  # noqa: E402
 
 
 def _run(path, records):

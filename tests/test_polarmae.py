@@ -176,7 +176,7 @@ def test_mae_evaluator_averages_the_validation_losses(tmp_path):
     import pimm.cli
 
     pimm.cli.register_all()
-    from pimm.engines.launch import build_trainer, load_config
+    from pimm.engines.run.launch import build_trainer, load_config
 
     cfg, hooks = load_config(str(ROOT / "configs" / "lartpc" / "pretrain-polarmae.py"), [
         f"save_path={tmp_path / 'run'}", "data.train.num_events=4", "data.val.num_events=4", "batch_size=2", "batch_size_val=2", "num_worker=0",

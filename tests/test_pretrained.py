@@ -27,7 +27,7 @@ HOOKS = '[dict(type="ClsEvaluator", num_classes=2), dict(type="CheckpointSaver",
 def run(tmp_path_factory):
     """A finished toy run (2 epochs of 4 steps) with model_best.pth, model_last.pth and a checkpoint."""
     directory = tmp_path_factory.mktemp("pretrained")
-    from pimm.engines.run_dir import write_config
+    from pimm.engines.run.run_dir import write_config
 
     trainer = make_trainer(directory, HOOKS)
     write_config(trainer.cfg)  # config.py and resolved_config.json, as the command line writes them

@@ -120,7 +120,7 @@ def test_print_config_prints_the_resolved_config_and_writes_nothing(tmp_path):
 def recorded_run(tmp_path: Path, options: list[str]) -> tuple[Path, Path]:
     """A toy config and a run directory whose config.py records a start with ``options``
     (as tools/train.py writes it), without training: ``(save_path, config file)``."""
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     save = tmp_path / "run"
     save.mkdir()
@@ -132,7 +132,7 @@ def recorded_run(tmp_path: Path, options: list[str]) -> tuple[Path, Path]:
 
 def test_a_record_without_the_options_header_is_itself_the_base(tmp_path):
     """Runs recorded before the header existed: the record wins over the file."""
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     save, cfg_file = recorded_run(tmp_path, ["epoch=5", "optimizer.lr=0.02"])
     lines = (save / "config.py").read_text().splitlines(keepends=True)
@@ -145,7 +145,7 @@ def test_a_record_without_the_options_header_is_itself_the_base(tmp_path):
 
 
 def test_the_recorded_options_survive_repeated_resumes_without_piling_up(tmp_path):
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     _, cfg_file = recorded_run(tmp_path, ["epoch=5", "+hooks=[dict(type='EMAHook')]"])
     again, _ = load_config(str(cfg_file), ["resume=True", "+hooks=[dict(type='EMAHook')]", "epoch=6"], world_size=1)
@@ -157,7 +157,7 @@ def test_the_recorded_options_survive_repeated_resumes_without_piling_up(tmp_pat
 
 def test_hook_options_of_one_attempt_are_not_applied_again(tmp_path):
     """A fault injection or a log frequency given to one attempt is not part of the run."""
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     _, cfg_file = recorded_run(tmp_path, ["epoch=5", "hooks.InformationWriter.log_frequency=1"])
     again, _ = load_config(str(cfg_file), ["resume=True"], world_size=1)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pimm.engines.hooks.information_writer import InformationWriter
-from pimm.engines.metrics import MetricChannel
-from pimm.engines.run_summary import headline_values
+from pimm.engines.observe.metrics import MetricChannel
+from pimm.engines.loop.run_summary import headline_values
 from tests.support import forkserver
 from tests.support.run import ROOT, run_tool, write_toy_config
 from tests.support.run import env as tool_env

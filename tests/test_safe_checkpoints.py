@@ -298,7 +298,7 @@ def test_trust_checkpoint_code_resumes_an_old_checkpoint_exactly_with_a_warning(
 def test_the_runs_record_never_carries_trust(tmp_path):
     """Trusting one checkpoint is one invocation's decision: config.py and the
     run records beside it (resolved_config.json) record False."""
-    from pimm.engines.run_dir import write_config
+    from pimm.engines.run.run_dir import write_config
     from pimm.utils.config import Config
 
     cfg = Config(dict(save_path=str(tmp_path / "run"), seed=1, trust_checkpoint_code=True))

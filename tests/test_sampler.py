@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pimm.distributed.sampler import SampleKey, ShardedEvalSampler, StatefulRandomSampler
-from pimm.engines.data import build_train_loader, shutdown_loader, train_sampler
+from pimm.engines.run.data import build_train_loader, shutdown_loader, train_sampler
 from pimm.utils.rng import capture_rng_state, derive_seed, restore_rng_state, seed_all
 from tests.support.toy import ToyDataset
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pimm.tools import submit as slurm  # noqa: E402
+from pimm.cli import submit as slurm  # noqa: E402
 from pimm.distributed.slurm_task import NodeTask, Rendezvous, master_port, torchrun_command  # noqa: E402
 from tests.support import forkserver  # noqa: E402
 from tests.support import fake_slurm  # noqa: E402

@@ -14,7 +14,7 @@ from torch import nn
 import pimm.evaluation  # noqa: F401  (registers the evaluation hooks)
 from pimm.engines.hooks.upstream_runtime import WandbNamer, WeightDecayExclusion, WeightDecayScheduler
 from pimm.engines.optim import build_optimizer
-from pimm.engines.scheduler import build_scheduler
+from pimm.engines.optim.scheduler import build_scheduler
 from pimm.evaluation.pretrain import FeatureStdMonitor, PrototypeUsageLogger, point_level_features
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from pimm.engines.data import stream_batches_per_rank
+from pimm.engines.run.data import stream_batches_per_rank
 from pimm.utils.errors import ConfigError
 from tests.support.run import final_weights, non_log_lines, run_tool, train_losses, write_toy_config
 from tests.support.streams import ToyShardedStream

@@ -178,7 +178,7 @@ def test_the_eta_counts_evaluation_time(monkeypatch):
     from types import SimpleNamespace
 
     from pimm.engines.hooks import timer as timer_module
-    from pimm.engines.metrics import MetricChannel
+    from pimm.engines.observe.metrics import MetricChannel
 
     clock = [100.0]
     monkeypatch.setattr(timer_module.time, "perf_counter", lambda: clock[0])

@@ -38,7 +38,7 @@ from pimm.datasets.lartpc import LArTPCSynthDataset  # noqa: E402
 from pimm.datasets.pilarnet import PILArNetH5Dataset, write_pilarnet_h5  # noqa: E402
 from pimm.datasets.point_dataset import PointDataset  # noqa: E402
 from pimm.engines.observe.eval_records import write_eval_record  # noqa: E402
-from pimm.engines.launch import main as launch_main  # noqa: E402
+from pimm.engines.run.launch import main as launch_main  # noqa: E402
 from pimm.datasets.point_dict import index_points  # noqa: E402
 from pimm.engines.registries import DATASETS, MODELS, TRANSFORMS  # noqa: E402
 from pimm.evaluation import InsSegEvaluator, SemSegEvaluator  # noqa: E402

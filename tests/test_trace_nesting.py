@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from pimm.engines.tracing import Tracer
-from pimm.tools.trace_report import export
+from pimm.engines.observe.tracing import Tracer
+from pimm.cli.trace_report import export
 from tests.support.chrome_trace import crossings, load
 from tests.support.run import run_tool, write_toy_config
 

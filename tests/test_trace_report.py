@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pimm.engines.tracing import Tracer, trace_files  # noqa: E402
-from pimm.tools.trace_report import export, main, summarize  # noqa: E402
+from pimm.engines.observe.tracing import Tracer, trace_files  # noqa: E402
+from pimm.cli.trace_report import export, main, summarize  # noqa: E402
 from pimm.utils.errors import UserError  # noqa: E402
 
 MS = 1_000_000  # tracer clock units (ns) per millisecond

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pimm.engines.tracing import NULL_TRACER, TRACING_DEFAULTS, Tracer, build_tracer, trace_files  # noqa: E402
-from pimm.tools.jsonl import read_jsonl  # noqa: E402
+from pimm.engines.observe.tracing import NULL_TRACER, TRACING_DEFAULTS, Tracer, build_tracer, trace_files  # noqa: E402
+from pimm.cli.jsonl import read_jsonl  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 

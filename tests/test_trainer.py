@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:
 
 import pimm.datasets, pimm.evaluation, pimm.models  # noqa: E402,F401,E401  (registers data sets, evaluators, models)
 from pimm.engines import HOOKS, HookBase  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
-from pimm.engines.runtime import apply_runtime_defaults  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.runtime import apply_runtime_defaults  # noqa: E402
 from pimm.utils.config import Config  # noqa: E402
 from tests.support.run import final_weights, non_log_lines, run_tool, train_losses, write_toy_config  # noqa: E402
 from tests.support.toy import ToyMLP  # noqa: E402

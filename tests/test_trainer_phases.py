@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pimm.engines import TRAINERS, DefaultTrainer, TrainerBase  # noqa: E402
-from pimm.engines.launch import build_trainer, load_config, prepare_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config, prepare_config  # noqa: E402
 from pimm.engines import testers  # noqa: E402
 from pimm.utils.config import Config  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402

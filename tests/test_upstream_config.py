@@ -67,7 +67,7 @@ def runtime_vocabulary_gaps() -> list[str]:
     does not implement."""
     import pimm.evaluation  # noqa: F401  (registers the evaluators and testers, as tools/train.py does)
     from pimm.engines import registries
-    from pimm.engines.runtime import RUNTIME_DEFAULTS
+    from pimm.engines.run.runtime import RUNTIME_DEFAULTS
 
     base = Config.fromfile(CONFIGS / "_base_" / "default_runtime.py")
     body = set(Config.fromfile(CONFIGS / "tests" / "tiny_semseg_body.py"))

@@ -26,7 +26,7 @@ hooks = [dict(type="CheckpointLoader"), dict(type="InformationWriter", log_frequ
 
 
 def _load(tmp_path, extra, options=()):
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     path = write_toy_config(tmp_path, tmp_path / "run", SMALL + extra)
     return load_config(str(path), list(options), world_size=1)[0]

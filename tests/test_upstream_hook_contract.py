@@ -75,7 +75,7 @@ def wandb_stand_in(monkeypatch):
 
 def _train(tmp_path, events, *, epoch=3, values=None, greater=True, use_wandb=False, options=(), run="run",
            evaluator=None):
-    from pimm.engines.launch import build_trainer, load_config
+    from pimm.engines.run.launch import build_trainer, load_config
 
     cfg_path = tmp_path / f"{run}_cfg.py"
     cfg_path.write_text(CONFIG.format(base=str(ROOT / "configs" / "_base_" / "default_runtime.py"),
@@ -171,7 +171,7 @@ def test_the_best_value_survives_a_resume(tmp_path, events):
 
 
 def test_storage_histories_are_per_epoch_and_shared_on_the_channel():
-    from pimm.engines.trainer_base import TrainerBase
+    from pimm.engines.loop.trainer_base import TrainerBase
 
     trainer = TrainerBase()
     storage = trainer.storage

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 import pimm.datasets  # noqa: E402,F401
 import pimm.evaluation  # noqa: E402,F401
 import pimm.models  # noqa: E402,F401
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.errors import ConfigError, RegistryError  # noqa: E402
 from tests.support.run import run_tool, write_toy_config  # noqa: E402
 

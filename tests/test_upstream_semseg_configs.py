@@ -169,7 +169,7 @@ def test_upstream_config_trains_with_only_the_pending_names_left_out(config, dat
 
 
 def _trainable_of(config: Path, data_roots, tmp_path) -> int:
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
     from pimm.engines.registries import MODELS
 
     cfg, _ = load_config(str(without_pending(config, tmp_path)),
@@ -197,10 +197,10 @@ def test_upstream_config_pieces_take_two_steps_in_process(config, data_roots, tm
     transforms, its optimizer with ``param_dicts`` and its scheduler, built as
     the trainer builds them, take two optimizer steps."""
     from pimm.datasets import COLLATE_FNS, DATASETS
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
     from pimm.engines.optim import build_optimizer
     from pimm.engines.registries import MODELS
-    from pimm.engines.scheduler import build_scheduler
+    from pimm.engines.optim.scheduler import build_scheduler
 
     cfg, _ = load_config(str(without_pending(config, tmp_path)),
                          run_options(config, data_roots, tmp_path / "run"), world_size=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pimm.engines.wandb_options import check_wandb_keys, wandb_init_options
+from pimm.engines.observe.wandb_options import check_wandb_keys, wandb_init_options
 from pimm.utils.config_dict import ConfigDict
 from pimm.utils.errors import ConfigError
 from tests.support import inprocess

@@ -173,7 +173,7 @@ def test_the_shipped_lora_config_adapts_attention_and_trains_only_adapters_and_h
     from pathlib import Path
 
     import pimm.cli
-    from pimm.engines.launch import load_config
+    from pimm.engines.run.launch import load_config
 
     pimm.cli.register_all()
 

@@ -5,7 +5,7 @@ Their options are the evaluator's, plus ``verbose``."""
 from __future__ import annotations
 
 from pimm.engines.registries import TESTERS
-from pimm.engines.testers import TesterBase
+from pimm.engines.loop.testers import TesterBase
 
 __all__ = ["SemSegTester", "InsSegTester", "ClsTester"]
 

@@ -14,8 +14,8 @@ import pimm.cli
 
 pimm.cli.register_all()
 
-from pimm.engines.launch import prepare_config  # noqa: E402
-from pimm.engines.runtime import apply_runtime_defaults  # noqa: E402
+from pimm.engines.run.launch import prepare_config  # noqa: E402
+from pimm.engines.run.runtime import apply_runtime_defaults  # noqa: E402
 from pimm.utils.config import Config  # noqa: E402
 from pimm.utils.errors import UserError  # noqa: E402
 

@@ -14,7 +14,7 @@ import pimm.cli
 
 pimm.cli.register_all()  # the evaluators (ClsEvaluator...)
 
-from pimm.engines.launch import build_trainer, load_config  # noqa: E402
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
 

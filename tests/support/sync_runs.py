@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pimm.cli
-from pimm.engines.launch import build_trainer, load_config
-from pimm.engines.tracing import build_tracer
-from pimm.engines.runtime import DEFAULT_HOOKS, apply_runtime_defaults, validate_runtime
+from pimm.engines.run.launch import build_trainer, load_config
+from pimm.engines.observe.tracing import build_tracer
+from pimm.engines.run.runtime import DEFAULT_HOOKS, apply_runtime_defaults, validate_runtime
 from pimm.utils.config import Config
 from tests.support.run import ROOT, write_toy_config
 

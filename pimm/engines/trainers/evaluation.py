@@ -52,7 +52,7 @@ class TestScoring:
         the test split; the weights must fit the model exactly. Writes
         ``save_path/test_metrics.json`` (an earlier one is kept aside) and a
         record of this evaluation, ``save_path/eval/<UTC time>/test_metrics.json``
-        and ``.csv`` (:mod:`pimm.engines.eval_records`)."""
+        and ``.csv`` (:mod:`pimm.engines.observe.eval_records`)."""
         with host_sync("evaluation"):  # evaluators read their results on the host
             return self._test(weight)
 
