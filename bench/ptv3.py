@@ -118,10 +118,10 @@ class Recorder:
             return wrapped
 
         def conv(original):
-            def wrapped(point, module, feat):
+            def wrapped(point, module, feat, then=None):
                 if rec.recording:
-                    rec.calls["cpe"].append((module, point, feat.detach()))
-                return original(point, module, feat)
+                    rec.calls["cpe"].append(((module, then), point, feat.detach()))
+                return original(point, module, feat, then)
             return wrapped
 
         def pool(original):
@@ -149,6 +149,7 @@ class Recorder:
 
         self.original_conv = Point.sparse_conv  # the replay calls the unwrapped one
         self.patch(Point, "serialization", serialization)
+        self.patch(Point, "coarsen_serialization", serialization)
         self.patch(Point, "sparse_conv", conv)
         self.patch(attention_module.SerializedAttention, "forward", attention)
         for cls in (pooling_module.GridPooling, pooling_module.SerializedPooling):
@@ -171,14 +172,14 @@ class Recorder:
                 if kind == "attention":
                     args = (point, x)
                 elif kind == "cpe":
-                    args = (module, x)
+                    args = (*module, x)
                 else:
                     args = (Point(point, feat=x),)
             serialized = self.serialization
             sync(self.device)
             t = clock()
             if kind == "cpe":
-                out = self.original_conv(point, *args)
+                out = self.original_conv(point, args[0], args[2], args[1])
             else:
                 out = module(*args)
             out = out["feat"] if isinstance(out, dict) else out

@@ -115,7 +115,7 @@ class GridPooling(_Pooling):
         grid = torch.div(point.ensure_grid_coord(), self.stride, rounding_mode="floor")
         vgrid, vbatch, cluster = voxelize(grid, point["batch"])
         new = self._pooled(point, cluster, vgrid.shape[0], grid_coord=vgrid, batch=vbatch)
-        new.serialization(order=point["order"], shuffle_orders=self.shuffle_orders and self.training)
+        new.coarsen_serialization(point, cluster, self.stride, shuffle_orders=self.shuffle_orders and self.training)
         return new
 
 
