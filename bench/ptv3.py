@@ -31,7 +31,7 @@ dim)``, never ``N x N``.
 on the same events in rounds interleaved with PT-v3's and prints the ratio.
 
     python bench/ptv3.py [--rounds 3] [--batches 2] [--events 8] [--threads 1] [--device cpu]
-                         [--backbone KEY=VALUE ...] [--compare CONFIG]
+                         [--backbone KEY=VALUE ...] [--model KEY=VALUE ...] [--compare CONFIG]
 """
 
 from __future__ import annotations
@@ -197,11 +197,14 @@ class Stepper:
     """One config's model and its batches (the config's own transforms) of
     the same generated events, and its timed training steps."""
 
-    def __init__(self, config: str, args, device, backbone_overrides=()):
+    def __init__(self, config: str, args, device, backbone_overrides=(), model_overrides=()):
         cfg = Config.fromfile(config)
         for item in backbone_overrides:
             key, _, value = item.partition("=")
             cfg.model["backbone"][key] = ast.literal_eval(value)
+        for item in model_overrides:
+            key, _, value = item.partition("=")
+            cfg.model[key] = ast.literal_eval(value)
         self.name = Path(config).name
         self.cfg = cfg
         dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
@@ -249,12 +252,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backbone", nargs="*", default=[], metavar="KEY=VALUE",
                         help="backbone options over the config's, e.g. enc_patch_size=(32,32,32,32)")
+    parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="model options over the config's, e.g. backbone_out_channels=16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global DEVICE
     device = DEVICE = torch.device(args.device)
 
-    main_run = Stepper(args.config, args, device, args.backbone)
+    main_run = Stepper(args.config, args, device, args.backbone, args.model)
     runs = [main_run] + ([Stepper(args.compare, args, device)] if args.compare else [])
     print(f"{args.batches} batches of {args.events} events, {args.threads} thread(s), {device}")
     for run in runs:
