@@ -39,19 +39,19 @@ data = dict(train=dict(transform=_transform, num_events=19200, in_memory=False),
 model = dict(
     type="DefaultSegmentorV2",
     num_classes=5,
-    backbone_out_channels=32,
+    backbone_out_channels=16,
     backbone=dict(
         type="PT-v3m2",
         in_channels=4,
         order=("z", "z-trans", "hilbert", "hilbert-trans"),
         stride=(2, 2, 2),
         enc_depths=(1, 1, 1, 1),
-        enc_channels=(32, 48, 64, 96),
-        enc_num_head=(2, 3, 4, 6),
+        enc_channels=(16, 32, 64, 96),
+        enc_num_head=(1, 2, 4, 6),
         enc_patch_size=(64, 64, 64, 64),
         dec_depths=(1, 1, 1),
-        dec_channels=(32, 48, 64),
-        dec_num_head=(2, 3, 4),
+        dec_channels=(16, 32, 64),
+        dec_num_head=(1, 2, 4),
         dec_patch_size=(64, 64, 64),
         mlp_ratio=2,
         drop_path=0.0,
@@ -63,7 +63,7 @@ model = dict(
     ),
     criteria=[dict(type="CrossEntropyLoss", ignore_index=-1), dict(type="LovaszLoss", ignore_index=-1)],
 )
-optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.05)
+optimizer = dict(type="AdamW", lr=3e-3, weight_decay=0.05)
 scheduler = dict(type="CosineWarmupLR", warmup_steps=50)
 # The runtime services come from the base's default_hooks (docs/hooks.md).
 default_hooks = dict(information_writer=dict(log_frequency=50), checkpoint=dict(save_freq=600, save_every_minutes=2))  # steps are long: bound the loss in time too
