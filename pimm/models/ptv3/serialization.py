@@ -103,28 +103,12 @@ def encode(grid: torch.Tensor, batch: torch.Tensor | None, depth: int, order: st
 
 
 def _encode_all(grid: torch.Tensor, batch: torch.Tensor, depth: int, orders: Sequence[str]) -> torch.Tensor:
-    """(k, N) codes of every order. The curves of one family run as one
-    batch of ``(variants * N, 3)`` rows: the Hilbert transform is ~200 small
-    ops whatever N, so its plain and ``-trans`` variants share them."""
-    for o in orders:
-        _check_order(o)
-    if depth > MAX_DEPTH:
-        raise ValueError(f"grid coordinates need {depth} bits per axis; serialization supports {MAX_DEPTH} "
-                         "(use a coarser grid_size)")
-    n = grid.shape[0]
-    g = grid.long()
-    codes: dict[str, torch.Tensor] = {}
-    for family, fn in (("z", z_order_encode), ("hilbert", hilbert_encode)):
-        wanted = list(dict.fromkeys(o for o in orders if o.split("-")[0] == family))
-        if not wanted:
-            continue
-        stacked = torch.cat([g[:, [1, 0, 2]] if o.endswith("-trans") else g for o in wanted])
-        for o, code in zip(wanted, fn(stacked, depth).split(n)):
-            codes[o] = code
-    code = torch.stack([codes[o] for o in orders])
-    if batch is not None:
-        code = (batch.long() << (3 * depth)) | code
-    return code
+    """(k, N) codes of every order, one curve at a time: stacking the
+    variants of a curve into one call (as upstream does) takes the ~200 small
+    ops of the Hilbert transform above torch's parallel grain size, which on
+    the loaded 2-thread machine measured 70x slower (8.2 s against 0.12 s
+    for 2 x 17,800 points)."""
+    return torch.stack([encode(grid, batch, depth, o) for o in orders])
 
 
 def _orders_and_inverses(code: torch.Tensor, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

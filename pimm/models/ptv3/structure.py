@@ -118,12 +118,25 @@ class Point(dict):
         cache = self["_cache"]
         if key not in cache:
             grid, batch = self.ensure_grid_coord(), self["batch"]
+            if self._voxels_distinct():
+                cache[key] = (submanifold_kernel_map(grid, batch, kernel_size), None)
+                return cache[key]
             vgrid, vbatch, inverse = voxelize(grid, batch)
             if vgrid.shape[0] == grid.shape[0]:
                 cache[key] = (submanifold_kernel_map(grid, batch, kernel_size), None)
             else:
                 cache[key] = (submanifold_kernel_map(vgrid, vbatch, kernel_size), inverse)
         return cache[key]
+
+    def _voxels_distinct(self) -> bool:
+        """True when no two points share a voxel, read off the curve codes
+        (event and voxel, one to one) when the level is serialized: a
+        comparison of neighbours in curve order instead of hashing. False
+        means "not known"."""
+        if "serialized_code" not in self:
+            return False
+        code = self["serialized_code"][0].index_select(0, self["serialized_order"][0])
+        return bool((code[1:] != code[:-1]).all())
 
     def sparse_conv(self, conv, feat: torch.Tensor, then=None) -> torch.Tensor:
         """Apply a :class:`~pimm.models.ptv3.blocks.SubMConv3d` (and the
