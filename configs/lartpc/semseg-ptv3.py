@@ -33,7 +33,7 @@ _transform = [
     dict(type="ToTensor"),
     dict(type="Collect", keys=("coord", "grid_coord", "segment", "instance"), feat_keys=("coord", "energy")),
 ]
-data = dict(train=dict(transform=_transform, num_events=19200, in_memory=False), val=dict(transform=_transform),
+data = dict(train=dict(transform=_transform, num_events=14400, in_memory=False), val=dict(transform=_transform),
             test=dict(transform=_transform))
 
 model = dict(
