@@ -14,7 +14,8 @@ Breakdown (forward + backward of each piece, replayed in isolation on the
 inputs it saw in a real forward, summed over the step's calls):
 
 * ``serialization``: space-filling-curve codes, orders and inverses of every
-  level (no backward);
+  level (encoded on the finest, read off the finer level's on the coarser
+  ones where that gives the same result; no backward);
 * ``attention``: the patch attention (qkv, SDPA over the padded patches,
   projection);
 * ``cpe``: the sparse convolutions (CPE, and PT-v3m1's stem) with their
