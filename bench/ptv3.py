@@ -14,7 +14,8 @@ Breakdown (forward + backward of each piece, replayed in isolation on the
 inputs it saw in a real forward, summed over the step's calls):
 
 * ``serialization``: space-filling-curve codes, orders and inverses of every
-  level (no backward);
+  level (encoded on the finest, read off the finer level's on the coarser
+  ones where that gives the same result; no backward);
 * ``attention``: the patch attention (qkv, SDPA over the padded patches,
   projection);
 * ``cpe``: the sparse convolutions (CPE, and PT-v3m1's stem) with their
@@ -31,7 +32,7 @@ dim)``, never ``N x N``.
 on the same events in rounds interleaved with PT-v3's and prints the ratio.
 
     python bench/ptv3.py [--rounds 3] [--batches 2] [--events 8] [--threads 1] [--device cpu]
-                         [--backbone KEY=VALUE ...] [--compare CONFIG]
+                         [--backbone KEY=VALUE ...] [--model KEY=VALUE ...] [--compare CONFIG]
 """
 
 from __future__ import annotations
@@ -118,10 +119,10 @@ class Recorder:
             return wrapped
 
         def conv(original):
-            def wrapped(point, module, feat):
+            def wrapped(point, module, feat, then=None):
                 if rec.recording:
-                    rec.calls["cpe"].append((module, point, feat.detach()))
-                return original(point, module, feat)
+                    rec.calls["cpe"].append(((module, then), point, feat.detach()))
+                return original(point, module, feat, then)
             return wrapped
 
         def pool(original):
@@ -149,6 +150,7 @@ class Recorder:
 
         self.original_conv = Point.sparse_conv  # the replay calls the unwrapped one
         self.patch(Point, "serialization", serialization)
+        self.patch(Point, "coarsen_serialization", serialization)
         self.patch(Point, "sparse_conv", conv)
         self.patch(attention_module.SerializedAttention, "forward", attention)
         for cls in (pooling_module.GridPooling, pooling_module.SerializedPooling):
@@ -171,14 +173,14 @@ class Recorder:
                 if kind == "attention":
                     args = (point, x)
                 elif kind == "cpe":
-                    args = (module, x)
+                    args = (*module, x)
                 else:
                     args = (Point(point, feat=x),)
             serialized = self.serialization
             sync(self.device)
             t = clock()
             if kind == "cpe":
-                out = self.original_conv(point, *args)
+                out = self.original_conv(point, args[0], args[2], args[1])
             else:
                 out = module(*args)
             out = out["feat"] if isinstance(out, dict) else out
@@ -196,11 +198,14 @@ class Stepper:
     """One config's model and its batches (the config's own transforms) of
     the same generated events, and its timed training steps."""
 
-    def __init__(self, config: str, args, device, backbone_overrides=()):
+    def __init__(self, config: str, args, device, backbone_overrides=(), model_overrides=()):
         cfg = Config.fromfile(config)
         for item in backbone_overrides:
             key, _, value = item.partition("=")
             cfg.model["backbone"][key] = ast.literal_eval(value)
+        for item in model_overrides:
+            key, _, value = item.partition("=")
+            cfg.model[key] = ast.literal_eval(value)
         self.name = Path(config).name
         self.cfg = cfg
         dataset = DATASETS.build(dict(cfg.data["train"], num_events=args.batches * args.events, in_memory=False))
@@ -248,12 +253,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backbone", nargs="*", default=[], metavar="KEY=VALUE",
                         help="backbone options over the config's, e.g. enc_patch_size=(32,32,32,32)")
+    parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="model options over the config's, e.g. backbone_out_channels=16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     global DEVICE
     device = DEVICE = torch.device(args.device)
 
-    main_run = Stepper(args.config, args, device, args.backbone)
+    main_run = Stepper(args.config, args, device, args.backbone, args.model)
     runs = [main_run] + ([Stepper(args.compare, args, device)] if args.compare else [])
     print(f"{args.batches} batches of {args.events} events, {args.threads} thread(s), {device}")
     for run in runs:

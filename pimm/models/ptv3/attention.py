@@ -27,6 +27,8 @@ from torch import nn
 
 from pimm.utils.errors import ConfigError
 
+from .rows import PatchRows
+
 __all__ = ["patch_layout", "RPE", "SerializedAttention"]
 
 
@@ -124,7 +126,7 @@ class SerializedAttention(nn.Module):
             pad, unpad, key_mask = patch_layout(counts, k)
             gather = point["serialized_order"][self.order_index].index_select(0, pad)
             scatter = unpad.index_select(0, point["serialized_inverse"][self.order_index])
-            cache[key] = (gather, scatter, key_mask)
+            cache[key] = (PatchRows(gather, scatter), key_mask)
         return cache[key]
 
     def forward(self, point, feat: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,20 +136,20 @@ class SerializedAttention(nn.Module):
         h, c = self.num_heads, self.channels
         counts = torch.diff(point["offset"], prepend=point["offset"].new_zeros(1))
         k = self._patch_size(counts)
-        gather, scatter, key_mask = self.layout(point, k)
-        qkv = self.qkv(feat.index_select(0, gather)).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
+        rows, key_mask = self.layout(point, k)
+        qkv = self.qkv(rows.to_slots(feat)).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
         q, key, v = qkv.unbind(0)  # (P, H, K, D)
         dtype = q.dtype
         if self.upcast_attention or self.upcast_softmax:  # SDPA's softmax runs in its input dtype
             q, key, v = q.float(), key.float(), v.float()
         mask = None
         if self.rpe is not None:
-            rel = point["grid_coord"].index_select(0, gather).view(-1, k, 3)
+            rel = point["grid_coord"].index_select(0, rows.gather).view(-1, k, 3)
             mask = self.rpe(rel.unsqueeze(2) - rel.unsqueeze(1)).to(q.dtype)
         if key_mask is not None:
             keys = key_mask[:, None, None, :]
             mask = keys if mask is None else mask.masked_fill(~keys, float("-inf"))
         out = F.scaled_dot_product_attention(q, key, v, attn_mask=mask, scale=self.scale,
                                              dropout_p=self.attn_drop if self.training else 0.0)
-        out = out.to(dtype).transpose(1, 2).reshape(-1, c).index_select(0, scatter)
+        out = rows.from_slots(out.to(dtype).transpose(1, 2).reshape(-1, c))
         return self.proj_drop(self.proj(out))

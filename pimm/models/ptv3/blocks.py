@@ -41,11 +41,27 @@ class SubMConv3d(nn.Module):
         bound = 1.0 / math.sqrt(in_channels * kernel_size**3)  # conv3d's default (kaiming-uniform, a=sqrt(5))
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, feat: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
+    def forward(self, feat: torch.Tensor, kmap: KernelMap, then: nn.Linear | None = None) -> torch.Tensor:
+        """The convolution, or with ``then`` the convolution followed by that
+        linear layer, as one convolution whose weights are the product
+        (``(x W_k) L = x (W_k L)``): where a level has many more points than
+        the kernel has weights (``N > 2 k^3 C``), the ``N x C x C`` product
+        of the linear layer (and its two in backward) costs more than
+        multiplying the ``k^3`` small weight matrices. Same function, sums in
+        another order."""
         cout, cin = self.weight.shape[0], self.weight.shape[-1]
-        weight = self.weight.reshape(cout, -1, cin).permute(1, 2, 0).contiguous()  # (k^3, C_in, C_out)
-        out = sparse_conv(feat, weight, kmap)
-        return out if self.bias is None else out + self.bias
+        weight = self.weight.reshape(cout, -1, cin).permute(1, 2, 0)  # (k^3, C_in, C_out)
+        bias = self.bias
+        if then is not None and feat.shape[0] <= 2 * weight.shape[0] * max(cout, then.out_features):
+            return then(self(feat, kmap))
+        if then is not None:
+            weight = torch.matmul(weight, then.weight.t())
+            if bias is not None:
+                bias = then.weight @ bias if then.bias is None else torch.addmv(then.bias, then.weight, bias)
+            else:
+                bias = then.bias
+        out = sparse_conv(feat, weight.contiguous(), kmap)
+        return out if bias is None else out + bias
 
 
 class PointSequential(PointModule):
@@ -163,7 +179,8 @@ class Block(PointModule):
             with torch.autocast(device_type=feat.device.type, enabled=False):
                 feat32 = feat.float()
                 source = feat32 if conv_input is None else conv_input.float()
-                feat = (feat32 + self.cpe.features(point, source)).to(feat.dtype)
+                conv, linear, norm = self.cpe[0], self.cpe[1], self.cpe[2]
+                feat = (feat32 + norm(point.sparse_conv(conv, source, then=linear))).to(feat.dtype)
         ls1 = getattr(self, "ls1", None)
         ls2 = getattr(self, "ls2", None)
         x = self.norm1.features(point, feat) if self.pre_norm else feat

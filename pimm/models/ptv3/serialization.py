@@ -25,7 +25,7 @@ import torch
 
 from pimm.utils.errors import ConfigError
 
-__all__ = ["ORDERS", "encode", "serialize", "z_order_encode", "hilbert_encode", "depth_for"]
+__all__ = ["ORDERS", "encode", "serialize", "coarsen", "z_order_encode", "hilbert_encode", "depth_for"]
 
 ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")
 MAX_DEPTH = 16  # 48 curve bits; the rest of the int64 holds the event index
@@ -102,6 +102,23 @@ def encode(grid: torch.Tensor, batch: torch.Tensor | None, depth: int, order: st
     return code
 
 
+def _encode_all(grid: torch.Tensor, batch: torch.Tensor, depth: int, orders: Sequence[str]) -> torch.Tensor:
+    """(k, N) codes of every order, one curve at a time: stacking the
+    variants of a curve into one call (as upstream does) takes the ~200 small
+    ops of the Hilbert transform above torch's parallel grain size, which on
+    the loaded 2-thread machine measured 70x slower (8.2 s against 0.12 s
+    for 2 x 17,800 points)."""
+    return torch.stack([encode(grid, batch, depth, o) for o in orders])
+
+
+def _orders_and_inverses(code: torch.Tensor, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if order is None:
+        order = torch.argsort(code, dim=1, stable=True)
+    inverse = torch.empty_like(order)
+    inverse.scatter_(1, order, torch.arange(code.shape[1], device=code.device).expand_as(order))
+    return order, inverse
+
+
 @torch.no_grad()
 def serialize(grid: torch.Tensor, batch: torch.Tensor, orders: Sequence[str], depth: int | None = None,
               shuffle: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -117,11 +134,39 @@ def serialize(grid: torch.Tensor, batch: torch.Tensor, orders: Sequence[str], de
     num_events = int(batch.max()) + 1 if batch.numel() else 1
     if 3 * depth + num_events.bit_length() > 63:
         raise ValueError(f"{num_events} events with {depth}-bit coordinates do not fit a 63-bit code")
-    code = torch.stack([encode(grid, batch, depth, o) for o in orders])
-    order = torch.argsort(code, dim=1, stable=True)
-    inverse = torch.empty_like(order)
-    inverse.scatter_(1, order, torch.arange(code.shape[1], device=code.device).expand_as(order))
+    code = _encode_all(grid, batch, depth, orders)
+    order, inverse = _orders_and_inverses(code)
     if shuffle:
         perm = torch.randperm(code.shape[0]).to(code.device)
         code, order, inverse = code[perm], order[perm], inverse[perm]
     return code, order, inverse, depth
+
+
+@torch.no_grad()
+def coarsen(code: torch.Tensor, order: torch.Tensor, levels: int, cluster: torch.Tensor, num: int,
+            rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The serialization of the parent voxels (``grid >> levels``) read off
+    the children's, without encoding or sorting again.
+
+    ``code``/``order`` (k, N) are the children's (as :func:`serialize`
+    returns them), ``cluster`` (N,) each child's parent among ``num``, and
+    ``rows`` (k,) picks and orders the children's rows for the result. Both
+    curves are hierarchical, so a parent's code is any child's code shifted
+    by ``3 * levels`` bits -- the code :func:`serialize` gives the parents
+    at ``depth - levels`` bits per axis (the caller checks that is the depth
+    they need). Shifting keeps the order, so walking the children in curve
+    order and keeping the first child of every parent lists the parents in
+    curve order: the parents' ``order`` with no sort (parent codes are
+    distinct, so it equals the sorted one).
+    """
+    if rows is not None:
+        code, order = code.index_select(0, rows), order.index_select(0, rows)
+    k, n = code.shape
+    device = code.device
+    child = torch.empty(num, dtype=torch.long, device=device).scatter_(0, cluster, torch.arange(n, device=device))
+    coarse = code.index_select(1, child) >> (3 * levels)
+    parent = cluster.index_select(0, order.reshape(-1)).view(k, n)
+    first = torch.ones_like(parent, dtype=torch.bool)
+    torch.ne(parent[:, 1:], parent[:, :-1], out=first[:, 1:])
+    coarse_order, inverse = _orders_and_inverses(coarse, parent.masked_select(first).view(k, num))
+    return coarse, coarse_order, inverse

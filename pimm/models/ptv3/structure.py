@@ -20,7 +20,7 @@ from pimm.utils.errors import ConfigError
 
 from ..point_ops import batch2offset, offset2batch, scatter_mean, voxelize
 from ..sparse_maps import KernelMap, submanifold_kernel_map
-from .serialization import serialize
+from .serialization import coarsen, depth_for, serialize
 
 __all__ = ["Point"]
 
@@ -71,11 +71,45 @@ class Point(dict):
         """Codes, orders and inverses of every curve in ``order`` (see
         :func:`~pimm.models.ptv3.serialization.serialize`)."""
         order = [order] if isinstance(order, str) else list(order)
+        code, idx, inverse, depth = serialize(self.ensure_grid_coord(), self["batch"], order, depth)
+        rows = None
+        if shuffle_orders:  # serialize's own shuffle, done here to remember which curve went where
+            rows = torch.randperm(code.shape[0]).to(code.device)
+            code, idx, inverse = code[rows], idx[rows], inverse[rows]
+        self._set_serialization(order, code, idx, inverse, depth, rows)
+
+    def _set_serialization(self, order, code, idx, inverse, depth, rows) -> None:
         self["order"] = order
-        code, idx, inverse, depth = serialize(self.ensure_grid_coord(), self["batch"], order, depth, shuffle_orders)
         self["serialized_code"], self["serialized_order"], self["serialized_inverse"] = code, idx, inverse
         self["serialized_depth"] = depth
-        self["_cache"] = {}
+        # Which of ``order``'s curves each row holds (None: in order), for coarsen_serialization.
+        self["_cache"] = {"serialized_rows": rows}
+
+    def coarsen_serialization(self, child: "Point", cluster: torch.Tensor, stride: int,
+                              shuffle_orders: bool = False) -> None:
+        """``serialization(child.order, shuffle_orders=...)`` of this level,
+        whose voxels are ``child.grid_coord // stride`` (``cluster``: each
+        child's voxel here), read off the child level's serialization when
+        that gives the same result (a power-of-2 stride, the depth that
+        serialize would pick, see :func:`~.serialization.coarsen`) and
+        computed afresh otherwise. Same results, same random numbers."""
+        levels = stride.bit_length() - 1 if isinstance(stride, int) and stride > 0 else -1
+        rows = child["_cache"].get("serialized_rows", False) if "serialized_code" in child else False
+        if levels < 1 or stride != 1 << levels or rows is False:
+            self.serialization(order=child["order"], shuffle_orders=shuffle_orders)
+            return
+        depth = depth_for(self.ensure_grid_coord())
+        if depth != child["serialized_depth"] - levels:
+            self.serialization(order=child["order"], shuffle_orders=shuffle_orders)
+            return
+        canonical = None if rows is None else torch.argsort(rows)
+        code, idx, inverse = coarsen(child["serialized_code"], child["serialized_order"], levels, cluster,
+                                     self["grid_coord"].shape[0], canonical)
+        rows = None
+        if shuffle_orders:
+            rows = torch.randperm(code.shape[0]).to(code.device)
+            code, idx, inverse = code[rows], idx[rows], inverse[rows]
+        self._set_serialization(list(child["order"]), code, idx, inverse, depth, rows)
 
     def conv_map(self, kernel_size: int) -> tuple[KernelMap, torch.Tensor | None]:
         """Submanifold kernel map of this level and, when several points share
@@ -84,6 +118,9 @@ class Point(dict):
         cache = self["_cache"]
         if key not in cache:
             grid, batch = self.ensure_grid_coord(), self["batch"]
+            if self._voxels_distinct():
+                cache[key] = (submanifold_kernel_map(grid, batch, kernel_size), None)
+                return cache[key]
             vgrid, vbatch, inverse = voxelize(grid, batch)
             if vgrid.shape[0] == grid.shape[0]:
                 cache[key] = (submanifold_kernel_map(grid, batch, kernel_size), None)
@@ -91,10 +128,21 @@ class Point(dict):
                 cache[key] = (submanifold_kernel_map(vgrid, vbatch, kernel_size), inverse)
         return cache[key]
 
-    def sparse_conv(self, conv, feat: torch.Tensor) -> torch.Tensor:
-        """Apply a :class:`~pimm.models.ptv3.blocks.SubMConv3d` over this level
-        (points sharing a voxel are averaged in and all get the voxel's output)."""
+    def _voxels_distinct(self) -> bool:
+        """True when no two points share a voxel, read off the curve codes
+        (event and voxel, one to one) when the level is serialized: a
+        comparison of neighbours in curve order instead of hashing. False
+        means "not known"."""
+        if "serialized_code" not in self:
+            return False
+        code = self["serialized_code"][0].index_select(0, self["serialized_order"][0])
+        return bool((code[1:] != code[:-1]).all())
+
+    def sparse_conv(self, conv, feat: torch.Tensor, then=None) -> torch.Tensor:
+        """Apply a :class:`~pimm.models.ptv3.blocks.SubMConv3d` (and the
+        linear layer ``then`` after it) over this level (points sharing a
+        voxel are averaged in and all get the voxel's output)."""
         kmap, inverse = self.conv_map(conv.kernel_size)
         if inverse is None:
-            return conv(feat, kmap)
-        return conv(scatter_mean(feat, inverse, kmap.num_in), kmap).index_select(0, inverse)
+            return conv(feat, kmap, then)
+        return conv(scatter_mean(feat, inverse, kmap.num_in), kmap, then).index_select(0, inverse)
