@@ -34,7 +34,7 @@ import numpy as np
 
 from pimm.utils.errors import ConfigError
 
-__all__ = ["EventOverlay", "DETECTOR_CENTER", "LABEL_PRIORITY"]
+__all__ = ["EventOverlay", "OverlaidItems", "DETECTOR_CENTER", "LABEL_PRIORITY"]
 
 #: Centre of the 768-voxel PILArNet cube the added events are turned about.
 DETECTOR_CENTER = np.array([384.0, 384.0, 384.0], dtype=np.float32)
@@ -136,3 +136,19 @@ class EventOverlay:
         if "name" in data:
             data["name"] = f"{data['name']}_overlay{n}"
         return data
+
+
+class OverlaidItems:
+    """Mixin for a :class:`~pimm.datasets.point_dataset.PointDataset` with an
+    ``overlay`` (:class:`EventOverlay`) and an ``index`` of distinct events:
+    items are overlaid before the transform; without overlay, the base item."""
+
+    def __getitem__(self, idx: int) -> dict:
+        if not self.overlay.enabled:
+            return super().__getitem__(idx)
+        n = len(self)
+        if not -n <= int(idx) < n:
+            raise IndexError(f"event index {idx} out of range for a dataset of {n} events")
+        # Added events come from the distinct events (before loop), as upstream's.
+        data = self.overlay(self.get_data(int(idx) % n), self.get_data, len(self.index))
+        return self.transform(data) if self.transform is not None else data

@@ -36,7 +36,7 @@ import numpy as np
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
 
-from .overlay import EventOverlay
+from .overlay import EventOverlay, OverlaidItems
 from .point_dataset import SPLITS, PointDataset
 from pimm.utils.domains import (
     Choice, Count, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
@@ -126,7 +126,7 @@ def _file_revision(path: str, f: h5py.File) -> str:
 
 
 @DATASETS.register_module()
-class PILArNetH5Dataset(PointDataset):
+class PILArNetH5Dataset(OverlaidItems, PointDataset):
     """Events from PILArNet-M HDF5 files, with upstream pimm's options.
 
     Args:
@@ -259,16 +259,6 @@ class PILArNetH5Dataset(PointDataset):
 
     def __len__(self) -> int:
         return len(self.index) * self.loop
-
-    def __getitem__(self, idx: int) -> dict:
-        if not self.overlay.enabled:
-            return super().__getitem__(idx)
-        n = len(self)
-        if not -n <= int(idx) < n:
-            raise IndexError(f"event index {idx} out of range for a dataset of {n} events")
-        # Added events come from the distinct events (before loop), as upstream's.
-        data = self.overlay(self.get_data(int(idx) % n), self.get_data, len(self.index))
-        return self.transform(data) if self.transform is not None else data
 
     def get_data(self, idx: int) -> dict:
         file_id, event = (int(v) for v in self.index[idx % len(self.index)])

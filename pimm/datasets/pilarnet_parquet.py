@@ -47,7 +47,7 @@ from pimm.utils.rng import derive_seed, seed_cpu_streams
 
 from .pilarnet import POINT_COLUMNS, REVISIONS, _event_rows, decode_event
 from .collate import collate_fn as point_collate_fn
-from .overlay import EventOverlay
+from .overlay import EventOverlay, OverlaidItems
 from .point_dataset import PointDataset
 
 __all__ = ["PILArNetParquetDataset", "PILArNetParquetIterableDataset", "write_pilarnet_parquet",
@@ -208,7 +208,7 @@ _SHARED_DOMAINS = dict(repo_id=Key | None, data_root=FilePath | None, split=Key,
 
 
 @DATASETS.register_module()
-class PILArNetParquetDataset(PointDataset):
+class PILArNetParquetDataset(OverlaidItems, PointDataset):
     """PILArNet-M events from parquet files, at random (upstream's arguments).
 
     Args:
@@ -260,15 +260,6 @@ class PILArNetParquetDataset(PointDataset):
 
     def __len__(self) -> int:
         return len(self.index) * self.loop
-
-    def __getitem__(self, idx: int) -> dict:
-        if not self.overlay.enabled:
-            return super().__getitem__(idx)
-        n = len(self)
-        if not -n <= int(idx) < n:
-            raise IndexError(f"event index {idx} out of range for a dataset of {n} events")
-        data = self.overlay(self.get_data(int(idx) % n), self.get_data, len(self.index))
-        return self.transform(data) if self.transform is not None else data
 
     def get_data(self, idx: int) -> dict:
         file_id, row = (int(v) for v in self.index[idx % len(self.index)])
