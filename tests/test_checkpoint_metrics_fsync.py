@@ -35,7 +35,7 @@ def test_by_default_state_dict_fsyncs_itself(tmp_path, monkeypatch):
     calls = _recording_fsync(monkeypatch)
     writer = _writer(tmp_path)
     state = writer.state_dict()
-    assert calls == [threading.current_thread().name]
+    assert calls.count(threading.current_thread().name) == 1
     assert state["jsonl_bytes"] == (tmp_path / METRICS_FILE).stat().st_size > 0
     writer.close()
 
@@ -55,23 +55,25 @@ def test_deferred_fsync_runs_on_the_checkpoint_writer_before_the_commit(tmp_path
 
     manager.before_commit.append(sync_then_look)
     manager.save(global_step=1, epoch=0)
-    assert calls == []  # nothing waited for the disk on the training thread
+    main = threading.current_thread().name
+    assert main not in calls  # nothing waited for the disk on the training thread
     manager.wait()
     # Every fsync (the checkpoint's files and metrics.jsonl) ran on the background writer.
-    assert calls and set(calls) == {"checkpoint-writer"}
+    assert calls and main not in calls and set(calls) == {"checkpoint-writer"}
     assert committed_when_synced == [[]]  # ... before the manifest committed the checkpoint
     assert manager.committed() and writer._unsynced == []
     writer.close()
 
 
 def test_close_syncs_what_no_commit_took(tmp_path, monkeypatch):
-    calls = _recording_fsync(monkeypatch)
+    calls = _recording_fsync(monkeypatch)  # (os.fsync of the whole process: count this thread's)
+    main = threading.current_thread().name
     writer = _writer(tmp_path)
     writer.defer_fsync = True
     writer.state_dict()
-    assert calls == [] and len(writer._unsynced) == 1
+    assert main not in calls and len(writer._unsynced) == 1
     writer.close()
-    assert len(calls) == 1 and writer._unsynced == []
+    assert calls.count(main) == 1 and writer._unsynced == []
 
 
 class _Holder:

@@ -2,7 +2,7 @@
 after training (upstream pimm's hook, arguments and meaning), through
 ``huggingface_hub`` (the ``hub`` extra).
 
-It lives beside the evaluators because ``weights_only=False`` pushes a
+It lives beside the evaluators because a push with ``weights_only`` off uploads a
 ``pimm export`` folder (:func:`pimm.models.pretrained.save_pretrained`),
 which the engine layer may not import.
 
