@@ -325,8 +325,11 @@ def test_resume_true_into_a_missing_save_path_warns_naming_it_and_starts_fresh(t
 @pytest.mark.slow  # a Ctrl-C sent to a real process while it imports
 def test_ctrl_c_while_importing_exits_130_with_one_line(tmp_path):
     config = write_toy_config(tmp_path, tmp_path / "run")
+    # Ctrl-C as from a terminal: a runner started under nohup passes SIGINT on
+    # ignored, and Python then never installs its KeyboardInterrupt handler.
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(config)],
-                            cwd=str(ROOT), env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=str(ROOT), env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     maps = Path(f"/proc/{proc.pid}/maps")
     deadline = time.monotonic() + 120
     # Interrupt once torch's library is loaded: pimm's models and data sets are still being imported.
