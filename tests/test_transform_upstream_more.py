@@ -49,10 +49,24 @@ def test_fixture_was_made_from_this_event():
         np.testing.assert_array_equal(fresh[key], value, err_msg=key)
 
 
+def rounding_decided(spec: dict) -> set[str]:
+    """Keys whose reference value rounding noise decides, not the algorithm.
+    ComputeAnchors with k < 4: the covariance of 3 neighbours has rank <= 2, so
+    its smallest eigenvalue (the scattering and curvature measures) is LAPACK
+    rounding noise, which differs between CPUs; the shower-like split, and with
+    it endpoints, shower branches, Bragg peaks and the top-curvature track
+    branches, is then decided by that noise, in upstream's code as in pimm's."""
+    if spec["cfg"]["type"] == "ComputeAnchors" and spec["cfg"].get("cfg", {}).get("k", 16) < 4:
+        return {"anchors/endpoints", "anchors/branches_shower", "anchors/bragg", "anchors/branches_track"}
+    return set()
+
+
 @pytest.mark.parametrize("spec", CASES, ids=[c["name"] for c in CASES])
 def test_transform_matches_upstream(spec):
     before, out = run(spec)
-    expected = FIXTURE["outputs"][spec["name"]]
+    expected = {key: want for key, want in FIXTURE["outputs"][spec["name"]].items()
+                if key not in rounding_decided(spec)}
+    assert expected, spec["name"]
     for key, want in expected.items():
         got, want = np.asarray(reference.lookup(out, key), dtype=np.float64), np.asarray(want, dtype=np.float64)
         if want.size == 0:  # JSON keeps no shape for an empty set of points
