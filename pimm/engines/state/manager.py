@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -168,6 +169,40 @@ class CheckpointManager(CheckpointLoading):
         happen on a background writer when ``async_write`` is on. One write is
         in flight at a time: the next ``save`` (or :meth:`wait`) waits for it."""
         self.wait()
+        handoff = self._parked_writer() if self.async_write else None
+        final, job = None, None
+        try:
+            final, job = self._prepare(global_step, epoch, extra_manifest, after_commit)
+        finally:
+            if handoff is not None:
+                handoff.put(job)  # None (nothing to write, or the copy failed): the writer just ends
+        if job is not None and handoff is None:
+            self._write(*job)
+        return final
+
+    def _parked_writer(self) -> queue.SimpleQueue:
+        """Start the background writer before the states are copied, parked on a
+        hand-off queue. A thread started with its job already in hand runs that
+        job's Python work (pickling) at once and keeps the GIL for a whole switch
+        interval before ``Thread.start`` returns: 4.5-9 ms of a save's blocking
+        time, measured. A parked thread starts in ~0.1 ms and picks the job up
+        when the training thread next releases the GIL."""
+        handoff: queue.SimpleQueue = queue.SimpleQueue()
+
+        def run() -> None:
+            job = handoff.get()
+            if job is not None:
+                self._write_guarded(*job)
+
+        self._writer = threading.Thread(target=run, name="checkpoint-writer")
+        self._writer.start()
+        return handoff
+
+    def _prepare(self, global_step: int, epoch: int, extra_manifest: dict | None,
+                 after_commit: tuple) -> tuple[Path, tuple | None]:
+        """The blocking part of :meth:`save`: the states copied, the temporary
+        folder made; returns the final folder and the writer's job (None when
+        this step is already committed and intact)."""
         rank = comm.get_rank()
         name = checkpoint_name(global_step, epoch)
         final = self.directory / name
@@ -186,7 +221,7 @@ class CheckpointManager(CheckpointLoading):
         snapshot.finish()
         existing = comm.broadcast_object(self.verify(final) if rank == 0 and final.exists() else None)
         if existing == "ok":
-            return final  # this step is already committed and intact
+            return final, None  # this step is already committed and intact
         if rank == 0:
             if existing is not None:
                 aside = self._move_aside(final)
@@ -205,13 +240,7 @@ class CheckpointManager(CheckpointLoading):
         self.last_blocking_s = time.perf_counter() - start
         manifest = {"global_step": global_step, "epoch": epoch, "world_size": comm.get_world_size(),
                     **({"sharded": list(self._sharded)} if self._sharded else {}), **(extra_manifest or {})}
-        job = (tmp, final, rank, shared, per_rank, manifest, after, start)
-        if self.async_write:
-            self._writer = threading.Thread(target=self._write_guarded, args=job, name="checkpoint-writer")
-            self._writer.start()
-        else:
-            self._write(*job)
-        return final
+        return final, (tmp, final, rank, shared, per_rank, manifest, after, start)
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is committed; re-raise its error."""
