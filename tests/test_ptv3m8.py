@@ -168,3 +168,18 @@ def test_longer_cpe_width_tuples_are_fine_as_upstream():
     assert model.enc.enc1.block0.cpe.conv.weight.shape[0] == 12
     assert model.dec.dec0.block0.cpe.conv.weight.shape[0] == 18
     assert math.isclose(model.enc.enc0.block0.attn.rope.inv_freq[0].item(), 1.0)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_bfloat16_autocast_with_qk_norm_trains(flash):
+    """Upstream's pre-training runs under bfloat16 autocast: the normalized,
+    rotated queries and keys meet the values in one dtype on both paths."""
+    extra = {} if flash else dict(enable_flash=False, upcast_attention=True, upcast_softmax=True)
+    torch.manual_seed(0)
+    model = MODELS.build(dict(type="DefaultSegmentorV2", num_classes=5, backbone_out_channels=12,
+                              backbone=dict(TINY, **extra))).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(batch())
+    out["loss"].backward()
+    assert out["seg_logits"].dtype == torch.bfloat16 and math.isfinite(out["loss"].item())
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
