@@ -32,7 +32,8 @@ def batch(counts=(200, 160), seed=0):
     grid = torch.cat(grids)
     coord = grid.float() * 0.05 + 0.04 * torch.rand(grid.shape, generator=g)
     return dict(coord=coord, grid_coord=grid, feat=torch.randn(grid.shape[0], 4, generator=g),
-                offset=torch.cumsum(torch.tensor(counts), 0), segment=torch.randint(0, 5, (grid.shape[0],), generator=g))
+                offset=torch.cumsum(torch.tensor(counts), 0),
+                segment=torch.randint(0, 5, (grid.shape[0],), generator=g))
 
 
 def test_rotation_is_per_axis_rope_on_complex_pairs():
