@@ -1,4 +1,4 @@
-"""PT-v3m1 / PT-v3m2 compute upstream pimm's function.
+"""PT-v3m1 / PT-v3m2 / PT-v3m8 compute upstream pimm's function.
 
 The fixtures in ``tests/fixtures/ptv3/`` are upstream's own PT-v3 run on CPU
 (``make_reference.py`` there says how, and which upstream commit): for each
@@ -100,19 +100,49 @@ def test_fixtures_cover_the_matrix():
             key = (arch["type"], len(kw["enc_depths"]))
             seen.setdefault(key, set()).add((tuple(kw["order"]), kw["enable_flash"], run["mode"]))
             for option in ("enc_mode", "cls_mode", "mask_token", "traceable", "layer_scale", "enable_rpe",
-                           "cpe_first_layer_only", "cpe_shared_weight", "shuffle_orders"):
+                           "cpe_first_layer_only", "cpe_shared_weight", "shuffle_orders", "qk_norm", "rope_jitter",
+                           "rope_rescale"):
                 if kw.get(option):
                     seen.setdefault(option, set()).add(arch["type"])
-    for variant in ("PT-v3m1", "PT-v3m2"):
+    for variant in ("PT-v3m1", "PT-v3m2", "PT-v3m8"):
         for stages in (2, 3):
             combos = seen[(variant, stages)]
             assert len({o for o, _, m in combos if m == "eval"}) >= 3
             assert {f for _, f, _ in combos} == {True, False}
             assert {m for _, _, m in combos} == {"eval", "train"}
-    assert seen["enc_mode"] == {"PT-v3m2"} and seen["cls_mode"] == {"PT-v3m1"}
+    assert seen["enc_mode"] == {"PT-v3m2", "PT-v3m8"} and seen["cls_mode"] == {"PT-v3m1"}
     for option in ("mask_token", "traceable", "layer_scale", "cpe_first_layer_only", "cpe_shared_weight"):
         assert "PT-v3m2" in seen[option]
-    assert seen["enable_rpe"] == {"PT-v3m1", "PT-v3m2"} and seen["shuffle_orders"] == {"PT-v3m1", "PT-v3m2"}
+    for option in ("mask_token", "traceable", "layer_scale", "cpe_first_layer_only", "enc_mode", "qk_norm",
+                   "rope_jitter", "rope_rescale"):
+        assert "PT-v3m8" in seen[option]
+    assert seen["enable_rpe"] == seen["shuffle_orders"] == {"PT-v3m1", "PT-v3m2", "PT-v3m8"}
+    # PT-v3m8's bottleneck CPE narrower than, as wide as and wider than the stage
+    widths = set()
+    for path in FIXTURES.glob("m8_*.pt"):
+        kw = _load(path.stem)["kwargs"]
+        widths |= {(c > w) - (c < w) for c, w in zip(kw["enc_cpe_channels"], kw["enc_channels"])}
+    assert widths == {-1, 0, 1}
+
+
+def test_rope_frequencies_are_upstreams():
+    """The RoPE frequencies are a saved buffer (``attn.rope.inv_freq``), so
+    the logits above use upstream's; pimm's own, computed from ``rope_base``
+    and the head width, must be the same (to the file's float16 storage)."""
+    checked = 0
+    for path in FIXTURES.glob("m8_*.pt"):
+        arch = _load(path.stem)
+        model = _segmentor(arch, {})
+        stored, start = {}, 0
+        for name, shape in zip(arch["param_names"], arch["param_shapes"]):
+            n = int(torch.Size(shape).numel())
+            stored[name] = arch["params"][start:start + n].float().view(shape)
+            start += n
+        for name, value in model.state_dict().items():
+            if name.endswith("rope.inv_freq"):
+                torch.testing.assert_close(value, stored[name], rtol=1e-3, atol=0)
+                checked += 1
+    assert checked >= 10
 
 
 def test_fixtures_stay_small():

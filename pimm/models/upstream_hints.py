@@ -28,7 +28,7 @@ for _name in ("MinkUNet14", "MinkUNet14A", "MinkUNet14B", "MinkUNet14C", "MinkUN
               "MinkUNet18B", "MinkUNet18D", "MinkUNet34", "MinkUNet34A", "MinkUNet34B", "MinkUNet34C", "MinkUNet50",
               "MinkUNet101", "SpUNet-v1m1", "SpUNet-v1m2", "SpUNet-v1m3"):
     MODEL_HINTS[_name] = _SPARSE_UNET
-for _name in ("PT-v2m1", "PT-v2m2", "PT-v2m3", "PT-v3m4", "PT-v3m8", "Volt-v1m1", "Volt-v1m2",
+for _name in ("PT-v2m1", "PT-v2m2", "PT-v2m3", "Volt-v1m1", "Volt-v1m2",
               "PointTransformer-Cls26", "PointTransformer-Cls38", "PointTransformer-Cls50",
               "PointTransformer-PartSeg26", "PointTransformer-PartSeg38", "PointTransformer-PartSeg50",
               "PointTransformer-Seg26", "PointTransformer-Seg38", "PointTransformer-Seg50"):

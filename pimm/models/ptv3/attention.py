@@ -129,6 +129,12 @@ class SerializedAttention(nn.Module):
             cache[key] = (PatchRows(gather, scatter), key_mask)
         return cache[key]
 
+    def position_qk(self, point, rows: PatchRows, k: int, q: torch.Tensor, key: torch.Tensor):
+        """Queries and keys (P, H, K, D) before the product: unchanged here
+        (PT-v3's positions are its CPE and optional RPE); PT-v3m8 normalizes
+        and rotates them by the points' coordinates."""
+        return q, key
+
     def forward(self, point, feat: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output (N, C) of ``feat`` (default ``point.feat``) on the
         level's serialization."""
@@ -139,6 +145,7 @@ class SerializedAttention(nn.Module):
         rows, key_mask = self.layout(point, k)
         qkv = self.qkv(rows.to_slots(feat)).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
         q, key, v = qkv.unbind(0)  # (P, H, K, D)
+        q, key = self.position_qk(point, rows, k, q, key)
         dtype = q.dtype
         if self.upcast_attention or self.upcast_softmax:  # SDPA's softmax runs in its input dtype
             q, key, v = q.float(), key.float(), v.float()

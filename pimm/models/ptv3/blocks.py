@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -151,10 +152,15 @@ class Block(PointModule):
                  drop_path: float = 0.0, layer_scale: float | None = None, pre_norm: bool = True,
                  order_index: int = 0, enable_rpe: bool = False, enable_flash: bool = True,
                  upcast_attention: bool = True, upcast_softmax: bool = True, enable_cpe: bool = True,
-                 shared_cpe_conv: SubMConv3d | None = None, with_layer_scale_slots: bool = True):
+                 shared_cpe_conv: SubMConv3d | None = None, with_layer_scale_slots: bool = True,
+                 cpe_factory: Callable[[int], nn.Module] | None = None,
+                 attn_cls: type[SerializedAttention] = SerializedAttention, attn_options: dict | None = None):
         super().__init__()
         self.pre_norm = pre_norm
-        if enable_cpe:
+        if enable_cpe and cpe_factory is not None:
+            # A CPE of another shape (PT-v3m8's bottleneck): a module with ``features(point, feat)``.
+            self.cpe = cpe_factory(channels)
+        elif enable_cpe:
             conv = shared_cpe_conv if shared_cpe_conv is not None else SubMConv3d(channels, channels, 3, bias=True)
             self.cpe = PointSequential(conv, nn.Linear(channels, channels), nn.LayerNorm(channels))
         else:
@@ -162,8 +168,8 @@ class Block(PointModule):
         self.norm1 = PointSequential(nn.LayerNorm(channels))
         if with_layer_scale_slots:  # PT-v3m2 has the (parameter-free unless set) layer-scale slots
             self.ls1 = PointSequential(LayerScale(channels, layer_scale) if layer_scale is not None else nn.Identity())
-        self.attn = SerializedAttention(channels, num_heads, patch_size, qkv_bias, qk_scale, attn_drop, proj_drop,
-                                        order_index, enable_rpe, enable_flash, upcast_attention, upcast_softmax)
+        self.attn = attn_cls(channels, num_heads, patch_size, qkv_bias, qk_scale, attn_drop, proj_drop, order_index,
+                             enable_rpe, enable_flash, upcast_attention, upcast_softmax, **(attn_options or {}))
         self.norm2 = PointSequential(nn.LayerNorm(channels))
         if with_layer_scale_slots:
             self.ls2 = PointSequential(LayerScale(channels, layer_scale) if layer_scale is not None else nn.Identity())
@@ -179,8 +185,12 @@ class Block(PointModule):
             with torch.autocast(device_type=feat.device.type, enabled=False):
                 feat32 = feat.float()
                 source = feat32 if conv_input is None else conv_input.float()
-                conv, linear, norm = self.cpe[0], self.cpe[1], self.cpe[2]
-                feat = (feat32 + norm(point.sparse_conv(conv, source, then=linear))).to(feat.dtype)
+                if isinstance(self.cpe, PointSequential):
+                    conv, linear, norm = self.cpe[0], self.cpe[1], self.cpe[2]
+                    delta = norm(point.sparse_conv(conv, source, then=linear))
+                else:
+                    delta = self.cpe.features(point, source)
+                feat = (feat32 + delta).to(feat.dtype)
         ls1 = getattr(self, "ls1", None)
         ls2 = getattr(self, "ls2", None)
         x = self.norm1.features(point, feat) if self.pre_norm else feat

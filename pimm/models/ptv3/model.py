@@ -111,7 +111,8 @@ class _PTv3Base(PointModule):
 
     def _build(self, enc_depths, enc_channels, enc_num_head, enc_patch_size, dec_depths, dec_channels, dec_num_head,
                dec_patch_size, stride, drop_path, decoder: bool, pool_cls, unpool_cls, block_kwargs,
-               enable_cpe_at=lambda i: True, shared=None, with_layer_scale_slots=False):
+               enable_cpe_at=lambda i: True, shared=None, with_layer_scale_slots=False,
+               block_options=lambda part, stage: {}):
         ln, act = nn.LayerNorm, nn.GELU
         enc_dp = [x.item() for x in torch.linspace(0, drop_path, sum(enc_depths))]
         self.enc = PointSequential()
@@ -127,7 +128,8 @@ class _PTv3Base(PointModule):
                 stage.add(Block(enc_channels[s], enc_num_head[s], enc_patch_size[s], drop_path=dp[i],
                                 order_index=i % len(self.order), enable_cpe=enable_cpe_at(i) and self.enable_cpe,
                                 shared_cpe_conv=shared[f"enc_stage{s}"] if shared is not None else None,
-                                with_layer_scale_slots=with_layer_scale_slots, **block_kwargs), name=f"block{i}")
+                                with_layer_scale_slots=with_layer_scale_slots, **block_kwargs,
+                                **block_options("enc", s)), name=f"block{i}")
             if len(stage):
                 self.enc.add(stage, name=f"enc{s}")
         if not decoder:
@@ -144,7 +146,8 @@ class _PTv3Base(PointModule):
                 stage.add(Block(channels[s], dec_num_head[s], dec_patch_size[s], drop_path=dp[i],
                                 order_index=i % len(self.order), enable_cpe=enable_cpe_at(i) and self.enable_cpe,
                                 shared_cpe_conv=shared[f"dec_stage{s}"] if shared is not None else None,
-                                with_layer_scale_slots=with_layer_scale_slots, **block_kwargs), name=f"block{i}")
+                                with_layer_scale_slots=with_layer_scale_slots, **block_kwargs,
+                                **block_options("dec", s)), name=f"block{i}")
             self.dec.add(stage, name=f"dec{s}")
 
     @staticmethod
@@ -215,6 +218,7 @@ class PointTransformerV3m2(_PTv3Base):
     layer scale, mask token, shared or first-layer-only CPE, encoder-only
     mode (see the module doc)."""
 
+    variant = "PT-v3m2"
     domains = dict(layer_scale=NonNeg | None, iso_k=Int(1, 1024), iso_r=Positive | None)
 
     def __init__(self, in_channels=6, order=("z", "z-trans"), stride=(2, 2, 2, 2), enc_depths=(2, 2, 2, 6, 2),
@@ -228,7 +232,7 @@ class PointTransformerV3m2(_PTv3Base):
                  embedding_act_layer=True, add_iso_features=False, iso_k=8, iso_r=None):
         super().__init__()
         if add_iso_features:
-            raise ConfigError("PT-v3m2: add_iso_features=True (kNN isolation features from pointops) is not "
+            raise ConfigError(f"{self.variant}: add_iso_features=True (kNN isolation features from pointops) is not "
                               "supported; set it to False")
         if full_attention:
             raise ConfigError("PT-v3m2: full_attention=True has no effect upstream; for whole-event attention set "
@@ -259,13 +263,17 @@ class PointTransformerV3m2(_PTv3Base):
         self._build(enc_depths, enc_channels, enc_num_head, enc_patch_size, dec_depths, dec_channels, dec_num_head,
                     dec_patch_size, stride, drop_path, not self.enc_mode, GridPooling, GridUnpooling, block_kwargs,
                     enable_cpe_at=(lambda i: i == 0) if cpe_first_layer_only else (lambda i: True), shared=shared,
-                    with_layer_scale_slots=True)
+                    with_layer_scale_slots=True, block_options=self._block_options)
         if self.freeze_encoder:
             for p in list(self.embedding.parameters()) + list(self.enc.parameters()):
                 p.requires_grad = False
         self.apply(self._init_weights)
         # enc_mode: DefaultSegmentorV2 concatenates every level's features back up.
         self.out_channels = sum(enc_channels) if self.enc_mode else (list(dec_channels) + [enc_channels[-1]])[0]
+
+    def _block_options(self, part: str, stage: int) -> dict:
+        """Extra :class:`Block` arguments of a variant, per stage (PT-v3m8's CPE and attention)."""
+        return {}
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
