@@ -104,19 +104,21 @@ def test_fixtures_cover_the_matrix():
                            "rope_rescale"):
                 if kw.get(option):
                     seen.setdefault(option, set()).add(arch["type"])
-    for variant in ("PT-v3m1", "PT-v3m2", "PT-v3m8"):
-        for stages in (2, 3):
-            combos = seen[(variant, stages)]
-            assert len({o for o, _, m in combos if m == "eval"}) >= 3
-            assert {f for _, f, _ in combos} == {True, False}
-            assert {m for _, _, m in combos} == {"eval", "train"}
+    # PT-v3m8 (issue 34, within the suite's 1 MB of fixtures): the matrix at 2 stages, its options at 3;
+    # RPE beside RoPE, post-norm and the first-layer-only CPE are tested directly (test_ptv3m8).
+    for variant, stages in (("PT-v3m1", 2), ("PT-v3m1", 3), ("PT-v3m2", 2), ("PT-v3m2", 3), ("PT-v3m8", 2)):
+        combos = seen[(variant, stages)]
+        assert len({o for o, _, m in combos if m == "eval"}) >= 3
+        assert {f for _, f, _ in combos} == {True, False}
+        assert {m for _, _, m in combos} == {"eval", "train"}
     assert seen["enc_mode"] == {"PT-v3m2", "PT-v3m8"} and seen["cls_mode"] == {"PT-v3m1"}
     for option in ("mask_token", "traceable", "layer_scale", "cpe_first_layer_only", "cpe_shared_weight"):
         assert "PT-v3m2" in seen[option]
-    for option in ("mask_token", "traceable", "layer_scale", "cpe_first_layer_only", "enc_mode", "qk_norm",
-                   "rope_jitter", "rope_rescale"):
+    for option in ("mask_token", "traceable", "layer_scale", "enc_mode", "qk_norm", "rope_jitter", "rope_rescale"):
         assert "PT-v3m8" in seen[option]
-    assert seen["enable_rpe"] == seen["shuffle_orders"] == {"PT-v3m1", "PT-v3m2", "PT-v3m8"}
+    assert ("PT-v3m8", 3) in seen
+    assert seen["enable_rpe"] == {"PT-v3m1", "PT-v3m2"}
+    assert seen["shuffle_orders"] == {"PT-v3m1", "PT-v3m2", "PT-v3m8"}
     # PT-v3m8's bottleneck CPE narrower than, as wide as and wider than the stage
     widths = set()
     for path in FIXTURES.glob("m8_*.pt"):
@@ -142,11 +144,14 @@ def test_rope_frequencies_are_upstreams():
             if name.endswith("rope.inv_freq"):
                 torch.testing.assert_close(value, stored[name], rtol=1e-3, atol=0)
                 checked += 1
-    assert checked >= 10
+    assert checked >= 6  # the blocks of m8_shallow and m8_options
 
 
 def test_fixtures_stay_small():
-    assert sum(p.stat().st_size for p in FIXTURES.iterdir()) <= 1_000_000
+    """Every reference fixture of the suite (tests/fixtures, all folders; the
+    scripts that regenerate them are code, not fixtures) stays within 1 MB in all."""
+    data = [p for p in FIXTURES.parent.rglob("*") if p.is_file() and p.suffix != ".py"]
+    assert sum(p.stat().st_size for p in data) <= 1_000_000, sorted((p.stat().st_size, p.name) for p in data)[-5:]
 
 
 def test_whole_event_attention_is_one_patch_per_event():

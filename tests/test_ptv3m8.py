@@ -184,3 +184,21 @@ def test_bfloat16_autocast_with_qk_norm_trains(flash):
     out["loss"].backward()
     assert out["seg_logits"].dtype == torch.bfloat16 and math.isfinite(out["loss"].item())
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_rpe_beside_rope_post_norm_and_first_layer_only_cpe():
+    """Options the parity fixtures do not cover for m8 (they stay within the
+    suite's 1 MB): RPE next to RoPE (no flash), post-norm, the CPE on the first
+    block of each stage only; every parameter trains."""
+    options = dict(TINY, enable_rpe=True, enable_flash=False, pre_norm=False, cpe_first_layer_only=True)
+    torch.manual_seed(0)
+    model = MODELS.build(dict(type="DefaultSegmentorV2", num_classes=5, backbone_out_channels=12,
+                              backbone=options)).train()
+    names = [n for n, _ in model.named_parameters()]
+    assert any(n.endswith("attn.rpe.rpe_table") for n in names) and any("rope" in n for n, _ in model.named_buffers())
+    with_cpe = {n.split(".cpe.")[0] for n in names if ".cpe." in n}
+    assert with_cpe and all(n.endswith("block0") for n in with_cpe), sorted(with_cpe)
+    out = model(batch())
+    out["loss"].backward()
+    assert torch.isfinite(out["seg_logits"]).all()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
