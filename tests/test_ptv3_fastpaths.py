@@ -126,3 +126,25 @@ def test_groups_reduce_and_spread_match_segment_reduce_and_index_select(reduce):
     v = torch.randn(300, 5)
     torch.testing.assert_close(torch.autograd.grad((groups.spread(parent) * v).sum(), parent)[0],
                                torch.autograd.grad((parent.index_select(0, index) * v).sum(), parent)[0])
+
+
+def test_ptv3_linear_is_nn_linear_on_the_cpu_to_a_float32_ulp():
+    """PT-v3's Linear (mm, then the bias added, on the CPU) has nn.Linear's
+    state dict, output and gradients (the sum rounded in the other order)."""
+    from pimm.models.ptv3.linear import Linear
+
+    torch.manual_seed(0)
+    fast, plain = Linear(16, 64), torch.nn.Linear(16, 64)
+    plain.load_state_dict(fast.state_dict())
+    assert list(fast.state_dict()) == ["weight", "bias"]
+    x = torch.randn(300, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, ref = fast(x), plain(x2)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    (out * torch.arange(64.0)).sum().backward()
+    (ref * torch.arange(64.0)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(fast.weight.grad, plain.weight.grad)
+    torch.testing.assert_close(fast.bias.grad, plain.bias.grad)
+    no_bias = Linear(16, 8, bias=False)
+    torch.testing.assert_close(no_bias(x.detach()), x.detach() @ no_bias.weight.t())

@@ -27,6 +27,7 @@ from torch import nn
 
 from pimm.utils.errors import ConfigError
 
+from .linear import Linear
 from .rows import PatchRows
 
 __all__ = ["patch_layout", "RPE", "SerializedAttention"]
@@ -104,8 +105,8 @@ class SerializedAttention(nn.Module):
         self.enable_rpe, self.enable_flash = enable_rpe, enable_flash
         self.upcast_attention, self.upcast_softmax = upcast_attention, upcast_softmax
         self.attn_drop = attn_drop
-        self.qkv = nn.Linear(channels, channels * 3, bias=qkv_bias)
-        self.proj = nn.Linear(channels, channels)
+        self.qkv = Linear(channels, channels * 3, bias=qkv_bias)
+        self.proj = Linear(channels, channels)
         self.proj_drop = nn.Dropout(proj_drop)
         self.rpe = RPE(patch_size, num_heads) if enable_rpe else None
 

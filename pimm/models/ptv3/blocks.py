@@ -22,6 +22,7 @@ from torch import nn
 from ..sparse_conv import sparse_conv
 from ..sparse_maps import KernelMap
 from .attention import SerializedAttention
+from .linear import Linear
 
 __all__ = ["SubMConv3d", "PointModule", "PointSequential", "DropPath", "LayerScale", "MLP", "Block"]
 
@@ -133,9 +134,9 @@ class LayerScale(nn.Module):
 class MLP(nn.Module):
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int, drop: float = 0.0):
         super().__init__()
-        self.fc1 = nn.Linear(in_channels, hidden_channels)
+        self.fc1 = Linear(in_channels, hidden_channels)
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden_channels, out_channels)
+        self.fc2 = Linear(hidden_channels, out_channels)
         self.drop = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +163,7 @@ class Block(PointModule):
             self.cpe = cpe_factory(channels)
         elif enable_cpe:
             conv = shared_cpe_conv if shared_cpe_conv is not None else SubMConv3d(channels, channels, 3, bias=True)
-            self.cpe = PointSequential(conv, nn.Linear(channels, channels), nn.LayerNorm(channels))
+            self.cpe = PointSequential(conv, Linear(channels, channels), nn.LayerNorm(channels))
         else:
             self.cpe = None
         self.norm1 = PointSequential(nn.LayerNorm(channels))

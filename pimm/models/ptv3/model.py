@@ -27,6 +27,7 @@ from pimm.utils.errors import ConfigError
 from pimm.utils.domains import MAX_COUNT, Choice, Int, Keys, NonNeg, Positive, Real, Seq, Size, same_length
 
 from .blocks import Block, PointModule, PointSequential, SubMConv3d
+from .linear import Linear
 from .pooling import GridPooling, GridUnpooling, SerializedPooling, SerializedUnpooling
 from .serialization import ORDERS
 from .structure import Point
@@ -56,7 +57,7 @@ class SonataEmbedding(PointModule):
     def __init__(self, in_channels: int, embed_channels: int, norm_layer=None, act_layer=None,
                  mask_token: bool = False):
         super().__init__()
-        self.stem = PointSequential(linear=nn.Linear(in_channels, embed_channels))
+        self.stem = PointSequential(linear=Linear(in_channels, embed_channels))
         if norm_layer is not None:
             self.stem.add(norm_layer(embed_channels), name="norm")
         if act_layer is not None:

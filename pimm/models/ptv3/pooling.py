@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from pimm.utils.errors import ConfigError
 
 from ..point_ops import scatter_mean, voxelize
 from .blocks import PointModule, PointSequential
+from .linear import Linear
 from .rows import Groups
 from .structure import Point
 
@@ -51,7 +51,7 @@ class _Pooling(PointModule):
         _check_reduce(reduce)
         self.stride, self.reduce = stride, reduce
         self.shuffle_orders, self.traceable = shuffle_orders, traceable
-        self.proj = nn.Linear(in_channels, out_channels)
+        self.proj = Linear(in_channels, out_channels)
         self.norm = PointSequential(norm_layer(out_channels)) if norm_layer is not None else None
         self.act = PointSequential(act_layer()) if act_layer is not None else None
 
@@ -128,8 +128,8 @@ class _Unpooling(PointModule):
 
     def __init__(self, in_channels, skip_channels, out_channels, norm_layer=None, act_layer=None, traceable=False):
         super().__init__()
-        self.proj = PointSequential(nn.Linear(in_channels, out_channels))
-        self.proj_skip = PointSequential(nn.Linear(skip_channels, out_channels))
+        self.proj = PointSequential(Linear(in_channels, out_channels))
+        self.proj_skip = PointSequential(Linear(skip_channels, out_channels))
         if norm_layer is not None:
             self.proj.add(norm_layer(out_channels))
             self.proj_skip.add(norm_layer(out_channels))

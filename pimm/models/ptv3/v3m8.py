@@ -28,6 +28,7 @@ from pimm.utils.domains import Positive, Seq, Size
 from pimm.utils.errors import ConfigError
 
 from .blocks import PointModule, SubMConv3d
+from .linear import Linear
 from .model import PointTransformerV3m2
 from .rope import RoPEAttention
 
@@ -41,9 +42,9 @@ class BottleneckCPE(PointModule):
 
     def __init__(self, channels: int, cpe_channels: int):
         super().__init__()
-        self.down = nn.Identity() if channels == cpe_channels else nn.Linear(channels, cpe_channels)
+        self.down = nn.Identity() if channels == cpe_channels else Linear(channels, cpe_channels)
         self.conv = SubMConv3d(cpe_channels, cpe_channels, 3, bias=True)
-        self.up = nn.Linear(cpe_channels, channels)
+        self.up = Linear(cpe_channels, channels)
         self.norm = nn.LayerNorm(channels)
 
     def features(self, point, feat: torch.Tensor) -> torch.Tensor:
