@@ -5,6 +5,7 @@
     restore()                                  # resume / warm start: every participant, hooks included
     after_load_checkpoint                      # (when something was restored)
     before_train
+    open_outputs()                             # the metric sinks, before the first step
     try:
         while epoch < max_epoch:
             before_epoch
@@ -154,6 +155,7 @@ class TrainerBase(UpstreamTrainerView):
                     "(raise `epoch` to extend this run)"
                 )
             looping = True
+            self.open_outputs()
             stopped = self._run_epochs()
             if stopped:
                 tracer.instant(self._stop_kind(), reason=self.control.describe())
@@ -273,6 +275,9 @@ class TrainerBase(UpstreamTrainerView):
     def restore(self) -> bool:
         """Restore state (resume or warm start) before any hook runs; True if anything was restored."""
         return False
+
+    def open_outputs(self) -> None:
+        """Open the run's output files before the first step (after restore and ``before_train``)."""
 
     def finish(self, stopped: bool) -> None:
         """End of training: evaluate the final weights if due; on a stop, commit a final checkpoint."""

@@ -136,6 +136,11 @@ class MetricsWriter(SummaryWriterCalls):
 
             self._wandb_run.log({tag: wandb.Image(image) for tag, image in images.items()}, step=step)
 
+    def open(self) -> None:
+        """Open the sinks now (rank 0; otherwise the first write opens them)."""
+        if self.is_main:
+            self._open()
+
     def _open(self) -> None:
         if self._jsonl is not None:
             return

@@ -272,6 +272,12 @@ class ComponentBuilders:
             logger=self.logger,
         )
 
+    def open_outputs(self) -> None:
+        """Open the metric sinks (rank 0) before the first step, as a trainer's
+        loggers are made before training: the event file, its writer thread and
+        a W&B run then start outside the step loop, not at the first flush."""
+        self.writer.open()
+
 
 _NULL_CONTEXT = contextlib.nullcontext()  # stateless: one instance for every forward pass
 
