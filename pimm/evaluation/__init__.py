@@ -52,3 +52,7 @@ __all__ += ["EventLinearProbeEvaluator", "OnlineLinearProbe"]
 from .mae import MAEEvaluator  # noqa: E402  (registers the HOOKS entry)
 
 __all__ += ["MAEEvaluator"]
+
+from .panoptic import InstanceSegmentationEvaluator  # noqa: E402  (registers the HOOKS entry)
+
+__all__ += ["InstanceSegmentationEvaluator"]
