@@ -29,9 +29,9 @@ from .semseg import SemSegEvaluator  # noqa: E402
 
 __all__ += ["ClusterPolicyEvaluator", "InsSegEvaluator", "ProposalEvaluator", "SemSegEvaluator"]
 
-from .testers import ClsTester, InsSegTester, SemSegTester  # noqa: E402  (registers TESTERS entries)
+from .testers import ClsTester, InsSegTester, InstanceSegTester, SemSegTester  # noqa: E402  (registers TESTERS)
 
-__all__ += ["ClsTester", "InsSegTester", "SemSegTester"]
+__all__ += ["ClsTester", "InsSegTester", "InstanceSegTester", "SemSegTester"]
 
 from .ring_gan import RingGANEvaluator  # noqa: E402  (registers the HOOKS entry)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["instance_classes", "match_greedy", "event_counts", "scores", "adjusted_rand_score", "count_names"]
+__all__ = ["instance_classes", "match_greedy", "event_counts", "scores", "adjusted_rand_score", "COUNT_NAMES"]
 
 
 def instance_classes(inst: np.ndarray, cls: np.ndarray, num_classes: int) -> dict[int, int]:
@@ -89,13 +89,12 @@ def adjusted_rand_score(a: np.ndarray, b: np.ndarray) -> float:
     return float((index - expected) / (maximum - expected))
 
 
-def count_names(num_classes: int) -> list[str]:
-    return ["num_gt", "num_pred", "num_matched", "iou_sum", "tp_class", "iou_sum_class"]
+COUNT_NAMES = ("num_gt", "num_pred", "num_matched", "iou_sum", "tp_class", "iou_sum_class")
 
 
 def event_counts(gt_inst, pred_inst, gt_cls, pred_cls, num_classes: int, iou_thresh: float = 0.5,
                  require_class_for_match: bool = False) -> tuple[np.ndarray, np.ndarray, list]:
-    """One event -> (counts: the :func:`count_names` sums, the K x K confusion
+    """One event -> (counts: the ``COUNT_NAMES`` sums, the K x K confusion
     of the matched pairs (true class rows), the matches ``[(pred, true, iou)]``)."""
     gt_inst, pred_inst = np.asarray(gt_inst, np.int64), np.asarray(pred_inst, np.int64)
     gt_map = instance_classes(gt_inst, np.asarray(gt_cls, np.int64), num_classes)

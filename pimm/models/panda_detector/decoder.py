@@ -74,18 +74,19 @@ class QueryDecoder(nn.Module):
                          with_mask=supervise_attn_mask or i == depth - 1, use_mask_as_bias=supervise_attn_mask)
             for i in range(depth))
         self.final_norm = norm_layer(hidden_channels)
-        self.point_proj = (MLP(full_in_channels, hidden_channels, hidden_channels) if mlp_point_proj
+        self.full_point_proj = (MLP(full_in_channels, hidden_channels, hidden_channels) if mlp_point_proj
                            else nn.Linear(full_in_channels, hidden_channels))
         make_head = (lambda i, o: MLP(i, hidden_channels, o)) if mlp_point_proj else nn.Linear
-        self.cls_heads = nn.ModuleDict({n: make_head(hidden_channels, s.num_classes + 1) for n, s in labels.items()})
-        self.stuff_heads = nn.ModuleDict({
+        self.cls_pred_by_label = nn.ModuleDict({n: make_head(hidden_channels, s.num_classes + 1)
+                                                for n, s in labels.items()})
+        self.stuff_head_by_label = nn.ModuleDict({
             n: nn.Sequential(nn.Linear(full_in_channels, hidden_channels), nn.ReLU(), nn.Linear(hidden_channels, 1))
             for n, s in labels.items() if s.use_stuff_head})
-        self.query_heads = nn.ModuleDict()
+        self.head_by_key = nn.ModuleDict()
         for name, spec in labels.items():
             for head in spec.query_heads:
                 width = hidden_channels + (spec.num_classes if head.use_class_logits else 0)
-                self.query_heads[self.head_key(name, head.name)] = (
+                self.head_by_key[self.head_key(name, head.name)] = (
                     MLP(width, hidden_channels, head.out_dim) if head.head_mlp else nn.Linear(width, head.out_dim))
         self.apply(_init_linear)
 
@@ -103,7 +104,7 @@ class QueryDecoder(nn.Module):
     # -- decoding ---------------------------------------------------------------
     def forward(self, feat: torch.Tensor, coord: torch.Tensor, offset: torch.Tensor, with_aux: bool) -> dict:
         """Packed up-cast features (N, full_in_channels) -> per-label predictions."""
-        points, valid, counts = pad_by_offset(self.point_proj(feat), offset)
+        points, valid, counts = pad_by_offset(self.full_point_proj(feat), offset)
         pos_k = pad_by_offset(self.pos_emb(coord.to(points.dtype)), offset)[0] if self.pos_emb is not None else None
         batch = points.shape[0]
         queries = self.query_feat.weight.unsqueeze(0).expand(batch, -1, -1)
@@ -117,8 +118,8 @@ class QueryDecoder(nn.Module):
         if with_aux and self.supervise_attn_mask:
             for name in self.labels:
                 out[name]["aux_outputs"] = [self._predict(name, q, m, counts) for q, m in layers[:-1]]
-        for name in self.stuff_heads:
-            logits = self.stuff_heads[name](feat).squeeze(-1)
+        for name in self.stuff_head_by_label:
+            logits = self.stuff_head_by_label[name](feat).squeeze(-1)
             out[name]["stuff_logits"], out[name]["stuff_probs"] = logits, logits.sigmoid()
         return out
 
@@ -129,7 +130,7 @@ class QueryDecoder(nn.Module):
             if head.use_class_logits:
                 cls = classes[..., :spec.num_classes]
                 x = torch.cat([x, cls.detach() if head.detach_class_logits else cls], dim=-1)
-            y = self.query_heads[self.head_key(label, head.name)](x)
+            y = self.head_by_key[self.head_key(label, head.name)](x)
             if head.unit_normalize:
                 y = F.normalize(y, dim=-1, eps=1e-6)
             if head.squeezed and y.shape[-1] == 1:
@@ -142,7 +143,7 @@ class QueryDecoder(nn.Module):
         first, last = self.slices[label]
         spec = self.labels[label]
         queries, masks = queries[:, first:last], masks[:, first:last]
-        classes = self.cls_heads[label](queries)  # (B, Q, C+1)
+        classes = self.cls_pred_by_label[label](queries)  # (B, Q, C+1)
         heads = self._head_values(label, queries, classes)
         event_masks = [masks[b, :, :n] for b, n in enumerate(counts)]
         event_classes = list(classes.unbind(0))

@@ -30,7 +30,7 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.models.losses import LOSSES
 from pimm.models.segmentor_v2 import DefaultSegmentorV2
-from pimm.utils.domains import Anything, DictOf, Int, Key, MAX_SIZE, NonNeg, Prob, Real, Registered, Size, Weight
+from pimm.utils.domains import Anything, DictOf, Int, Key, NonNeg, Prob, Real, Registered, Size, Weight
 from pimm.utils.errors import ConfigError
 
 from .decoder import QueryDecoder

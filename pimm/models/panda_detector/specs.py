@@ -66,7 +66,8 @@ class QueryHead:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"query head: 'name' must be a non-empty string, got {self.name!r}")
         if self.kind not in ("continuous", "categorical"):
-            raise ConfigError(f"query head {self.name!r}: kind must be 'continuous' or 'categorical', got {self.kind!r}")
+            raise ConfigError(f"query head {self.name!r}: kind must be 'continuous' or 'categorical', "
+                              f"got {self.kind!r}")
         if self.kind == "categorical" and (not isinstance(self.num_classes, int) or self.num_classes < 2):
             raise ConfigError(f"query head {self.name!r}: a categorical head needs num_classes >= 2, "
                               f"got {self.num_classes!r}")
