@@ -34,14 +34,32 @@ import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
-from pimm.utils.domains import Anything, Choice, Count, Key, Prob, Text
+from pimm.utils.domains import Choice, Count, Domain, Key, Names, Prob, Seq, Text
 from pimm.utils.errors import ConfigError
 
 from .instance_metrics import adjusted_rand_score, event_counts, scores
 
 __all__ = ["InstanceSegmentationEvaluator"]
 
-_PER_LABEL = Anything("one value, or a dict of label -> value (key 'default' for the rest)")
+class _PerLabel(Domain):
+    """One value of ``inner``, a dict of label -> such a value (``"default"``:
+    the other labels) or None; a bad entry is named by its label."""
+
+    def __init__(self, inner: Domain):
+        self.inner = inner
+        self.what = f"{inner.what}, a dict of label -> {inner.what}, or None"
+
+    def accepts(self, value) -> bool:
+        return value is None or self.inner.accepts(value) or (
+            isinstance(value, dict) and all(Key.accepts(k) and self.inner.accepts(v) for k, v in value.items()))
+
+    def __call__(self, key: str, value):
+        if isinstance(value, dict):
+            for label, entry in value.items():
+                Key(f"{key} (a label)", label)
+                self.inner(f"{key}.{label}", entry)
+            return value
+        return super().__call__(key, value)
 
 
 def _per_label(value, label, default=None):
@@ -59,11 +77,11 @@ def _flat(t) -> np.ndarray:
 class InstanceSegmentationEvaluator(EvaluatorBase):
     """Panoptic instance metrics of a ``detector-v5``-style model (module doc)."""
 
-    domains = dict(every_n_steps=Count | None, stuff_threshold=Prob, mask_threshold=Prob, class_names=_PER_LABEL,
-                   stuff_classes=_PER_LABEL, iou_thresh=Prob, labels=Key | Anything("a list of label names") | None,
-                   prefix=Text("a metric prefix") | None, primary_label=Key | None, instance_key=_PER_LABEL,
-                   segment_key=_PER_LABEL, segment_fallback_key=_PER_LABEL,
-                   select_metric=Choice("det_f1", "val_head_loss"))
+    domains = dict(every_n_steps=Count | None, stuff_threshold=Prob, mask_threshold=Prob,
+                   class_names=_PerLabel(Names), stuff_classes=_PerLabel(Seq(Count, what="a list of class ids")),
+                   iou_thresh=Prob, labels=Key | Seq(Key, min_len=1) | None, prefix=Text("a metric prefix") | None,
+                   primary_label=Key | None, instance_key=_PerLabel(Key), segment_key=_PerLabel(Key),
+                   segment_fallback_key=_PerLabel(Key), select_metric=Choice("det_f1", "val_head_loss"))
 
     def __init__(self, every_n_steps: int | None = 0, stuff_threshold: float = 0.5, mask_threshold: float = 0.5,
                  class_names=None, stuff_classes=None, iou_thresh: float = 0.5, require_class_for_match: bool = False,

@@ -30,19 +30,16 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.models.losses import LOSSES
 from pimm.models.segmentor_v2 import DefaultSegmentorV2
-from pimm.utils.domains import Anything, DictOf, Int, Key, NonNeg, Prob, Real, Registered, Size, Weight
+from pimm.utils.domains import Anything, Int, Key, NonNeg, Prob, Real, Registered, Size, Weight
 from pimm.utils.errors import ConfigError
 
 from .decoder import QueryDecoder
 from .postprocess import postprocess_batch
-from .specs import LabelSpec, PostprocessSpec, parse_record
+from .specs import POSTPROCESS_DOMAINS, LabelSpec, LabelsDomain, PostprocessSpec, RecordOf, parse_record
 
 __all__ = ["UnifiedDetector"]
 
-_LABEL = Anything("a label's settings (num_queries, num_classes, instance_key, segment_key, criterion, ...), "
-                  "checked when the model is built")
-_POSTPROCESS = Anything("the panoptic fusion settings (stuff_threshold, mask_threshold, conf_threshold, nms_kernel, "
-                        "nms_sigma, nms_pre, nms_max, min_points, fill_uncovered), checked when the model is built")
+_POSTPROCESS = RecordOf(POSTPROCESS_DOMAINS, "the panoptic fusion settings dict(stuff_threshold=..., ...)")
 
 
 def _column(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +52,7 @@ class UnifiedDetector(nn.Module):
     (module doc). ``point_filter`` (upstream's optional pre-decoder point
     selection) is not built: give None."""
 
-    domains = dict(backbone=Registered("model"), label_configs=DictOf(Key, _LABEL), postprocess=_POSTPROCESS,
+    domains = dict(backbone=Registered("model"), label_configs=LabelsDomain(), postprocess=_POSTPROCESS,
                    full_in_channels=Size, hidden_channels=Size, num_heads=Int(1, 1024), eval_label=Key | None,
                    point_filter=Anything("None (upstream's point filter is not built)"), filter_loss_weight=Weight,
                    depth=Int(1, 64), mlp_ratio=Real(0, 64, lo_open=True), qk_scale=Real(0, 1e3, lo_open=True) | None,

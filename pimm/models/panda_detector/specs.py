@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pimm.utils.domains import (Bool, Choice, Count, Domain, Int, Key, MAX_SIZE, Null, Prob, Real, Registered, Seq,
+                                Weight, show)
 from pimm.utils.errors import ConfigError
 
-__all__ = ["QueryHead", "LabelSpec", "PostprocessSpec", "parse_record", "LOSS_HEAD_KEYS"]
+__all__ = ["QueryHead", "LabelSpec", "PostprocessSpec", "parse_record", "LOSS_HEAD_KEYS", "LabelsDomain",
+           "RecordOf", "POSTPROCESS_DOMAINS"]
 
 # The query-head keys FastUnifiedInstanceLoss reads; the rest shape the head itself.
 LOSS_HEAD_KEYS = ("name", "kind", "pred_key", "target_key", "aggregation", "loss_weight", "criterion", "required",
@@ -153,3 +156,81 @@ class PostprocessSpec:
         values = asdict(self)
         values.pop("dedup_iou"), values.pop("dedup_same_pid")
         return values
+
+
+# -- domains: checked on the resolved config, before anything is built -------------------
+class RecordOf(Domain):
+    """A dict whose known keys each take their own domain; a bad entry is
+    named by its full key (``model.postprocess.mask_threshold``). Unknown keys
+    are left to the constructor, which names them."""
+
+    def __init__(self, fields: dict, what: str):
+        self.fields, self.what = fields, what
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, dict) and all(k not in self.fields or self.fields[k].accepts(v)
+                                               for k, v in value.items())
+
+    def __call__(self, key: str, value):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={show(value)} is invalid: it takes {self.what}")
+        for name, entry in value.items():
+            if name in self.fields:
+                self.fields[name](f"{key}.{name}", entry)
+        return value
+
+
+class _Each(Domain):
+    """A list whose entries each take ``inner``, named by index."""
+
+    def __init__(self, inner: Domain, what: str):
+        self.inner, self.what = inner, what
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, (list, tuple)) and all(self.inner.accepts(v) for v in value)
+
+    def __call__(self, key: str, value):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={show(value)} is invalid: it takes {self.what}")
+        for i, entry in enumerate(value):
+            self.inner(f"{key}.{i}", entry)
+        return value
+
+
+_OPTIONAL_BOOL = Bool | Null
+HEAD_DOMAINS = dict(name=Key, kind=Choice("continuous", "categorical"), dim=Int(1, 4096),
+                    num_classes=Int(2, MAX_SIZE) | Null, pred_key=Key | Null, target_key=Key | Null,
+                    loss_weight=Weight, use_class_logits=Bool, detach_class_logits=Bool, required=Bool,
+                    head_mlp=Bool, aggregation=Choice("mean", "first", "mode") | Null, squeeze=_OPTIONAL_BOOL,
+                    criterion=Registered("loss") | Null, sentinel=Real(-1e9, 1e9) | Null, unit_normalize=Bool)
+LABEL_DOMAINS = dict(num_queries=Int(1, 4096), num_classes=Int(1, MAX_SIZE), instance_key=Key, segment_key=Key,
+                     criterion=Registered("loss"), stuff_classes=Seq(Count, what="a list of class ids"),
+                     use_stuff_head=Bool, loss_weight=Weight, overlap=Bool,
+                     query_heads=_Each(RecordOf(HEAD_DOMAINS, "a query head dict(name=..., ...)"),
+                                       "a list of query head dicts"))
+POSTPROCESS_DOMAINS = dict(stuff_threshold=Prob, mask_threshold=Prob, conf_threshold=Prob,
+                           nms_kernel=Choice("gaussian", "linear"), nms_sigma=Real(0, 1e3), nms_pre=Int(-1, 10**6),
+                           nms_max=Int(-1, 10**6), min_points=Count, fill_uncovered=Bool,
+                           background_class_label=Int(-1, MAX_SIZE), dedup_iou=Prob | Null,
+                           dedup_same_pid=_OPTIONAL_BOOL)
+
+
+class LabelsDomain(Domain):
+    """``label_configs``: a non-empty dict of label name -> label settings."""
+
+    what = "a non-empty dict of label name -> dict(num_queries=..., num_classes=..., ...)"
+
+    def __init__(self):
+        self.record = RecordOf(LABEL_DOMAINS, "a label's settings dict(num_queries=..., num_classes=..., ...)")
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, dict) and bool(value) and all(
+            Key.accepts(k) and self.record.accepts(v) for k, v in value.items())
+
+    def __call__(self, key: str, value):
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"{key}={show(value)} is invalid: it takes {self.what}")
+        for label, settings in value.items():
+            Key(f"{key} (a label name)", label)
+            self.record(f"{key}.{label}", settings)
+        return value
