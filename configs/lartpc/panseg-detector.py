@@ -115,3 +115,6 @@ hooks = [
          require_class_for_match=False, labels=("particle", "interaction"), primary_label="particle"),
     dict(type="AttentionMaskAnnealingHook", log_frequency=100),
 ]
+# tools/test.py (and FinalEvaluator): the same metrics on data.test.
+test = dict(type="InstanceSegTester", class_names={"particle": particle_names[:-1], "interaction": interaction_names},
+            labels=("particle", "interaction"), primary_label="particle")
