@@ -41,7 +41,7 @@ _events = dict(type="LArTPCSynthDataset", points_per_event=(800, 1500), transfor
 data = dict(
     names=particle_names,
     interaction_names=interaction_names,
-    train=dict(_events, num_events=8000, split="train", in_memory=False),
+    train=dict(_events, num_events=12000, split="train", in_memory=False),
     val=dict(_events, num_events=48, split="val", in_memory=True),
     test=dict(_events, num_events=96, split="test", in_memory=False),
 )
