@@ -310,3 +310,26 @@ def test_truth_round_trips_through_a_pilarnet_v3_file(tmp_path):
             np.testing.assert_array_equal(np.asarray(got[key]).reshape(-1), event[key].reshape(-1), err_msg=key)
         for key in ("momentum", "vertex", "momentum_vec"):
             np.testing.assert_allclose(got[key], event[key], atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow  # 100 optimizer steps of the model (about a minute on 2 cores)
+def test_model_fits_one_batch_masks_and_query_heads_included():
+    """Overfitting one batch of two generated events: the total loss and every
+    query head's loss fall (the heads see their targets through the matching)."""
+    torch.manual_seed(0)
+    model = MODELS.build(detector_config(width=16))
+    batch = generated_batch(2, seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    keys = ("loss", "particle_momentum", "particle_momentum_vec", "particle_vertex", "interaction_vertex")
+    history = []
+    for _ in range(101):
+        out = model(batch)
+        history.append({k: float(out[k].detach()) for k in keys})
+        optimizer.zero_grad()
+        out["loss"].backward()
+        optimizer.step()
+    first, last = history[0], history[-1]
+    assert last["loss"] < 0.5 * first["loss"]
+    assert last["particle_momentum"] < 0.2 * first["particle_momentum"]
+    assert last["particle_momentum_vec"] < 0.6 * first["particle_momentum_vec"]
+    assert last["particle_vertex"] < 0.8 * first["particle_vertex"]

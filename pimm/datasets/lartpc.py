@@ -322,7 +322,11 @@ class LArTPCSynthDataset(PointDataset):
 
     Each item is a dict: ``coord`` (N,3) float32 (voxel index * voxel_size,
     inside ``[0, detector_size)``), ``energy`` (N,1) float32 MeV, ``segment``,
-    ``instance``, ``interaction`` (N,) int64, and ``name`` (str). Points are
+    ``instance``, ``interaction`` (N,) int64, ``name`` (str), and the
+    detector truth under upstream's keys (``segment_pid``,
+    ``instance_particle``, ``instance_interaction``, ``segment_interaction``,
+    ``momentum``, ``momentum_vec``, ``vertex``, ``is_primary``:
+    :func:`_particle_truth`). Points are
     grouped by cluster in PILArNet order -- low-energy deposits first (one
     cluster per interaction id), then particles by instance id -- and in
     raster order within a cluster, so :func:`write_pilarnet_h5` stores them
