@@ -32,7 +32,8 @@ OVERVIEW = ROOT / "docs" / "hooks.md"
 # Evaluators that need other data or models (point clouds, tracks, a GAN): their examples are built, not trained with.
 NOT_ON_THE_TOY_TASK = {"SemSegEvaluator", "InsSegEvaluator", "ProposalEvaluator", "ClusterPolicyEvaluator",
                        "RingGANEvaluator", "PretrainEvaluator", "PrototypeUsageLogger", "FeatureStdMonitor",
-                       "EventLinearProbeEvaluator", "PushToHub", "MAEEvaluator"}  # (PushToHub: would reach for the network)
+                       "EventLinearProbeEvaluator", "PushToHub", "MAEEvaluator",
+                       "InstanceSegmentationEvaluator"}  # (PushToHub: would reach for the network)
 
 
 def pages() -> dict[str, tuple[Path, str]]:

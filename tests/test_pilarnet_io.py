@@ -69,7 +69,7 @@ def read_like_upstream(path, revision):
             assert cluster[:, 0].astype(np.int64).sum() == len(point)
             if revision != "v1":
                 extra = np.asarray(f["cluster_extra"][i]).reshape(len(cluster), -1)
-                assert extra.shape[1] == (5 if revision == "v2" else 6)
+                assert extra.shape[1] == (5 if revision == "v2" else 9)  # v3: packed, with px, py, pz
             semantic = np.repeat(cluster[:, 4], cluster[:, 0].astype(np.int64))
             events.append((point[:, :3], point[:, 3], semantic))
     return events

@@ -82,8 +82,7 @@ def test_runtime_profiler_interrupt_stops_after_profiling(tmp_path):
 
 
 @pytest.mark.parametrize("name, words", [("RuntimeProfilerV2", "use RuntimeProfiler"),
-                                         ("PreciseEvaluator", "use SemSegEvaluator"),
-                                         ("AttentionMaskAnnealingHook", "not shipped")])
+                                         ("PreciseEvaluator", "use SemSegEvaluator")])
 def test_unregistered_upstream_hook_names_are_one_line(name, words):
     with pytest.raises(RegistryError, match=words):
         HOOKS.build(dict(type=name))

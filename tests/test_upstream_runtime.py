@@ -121,8 +121,8 @@ def test_test_only_scores_weights_without_training(tmp_path):
 
 
 def test_upstream_hooks_pimm_does_not_ship_say_what_to_use(tmp_path):
-    with pytest.raises(RegistryError, match="'AttentionMaskAnnealingHook' is not available in pimm: a diagnostic"):
-        make_trainer(tmp_path, "hooks = hooks + [dict(type='AttentionMaskAnnealingHook')]\n")
+    with pytest.raises(RegistryError, match="'RuntimeProfilerV2' is not available in pimm: upstream's configs"):
+        make_trainer(tmp_path, "hooks = hooks + [dict(type='RuntimeProfilerV2')]\n")
 
 
 def _recorded_seed(save_path: Path):

@@ -17,6 +17,12 @@ to pimm (``PENDING``). Until they land, each config that names one runs twice:
 
 A fast in-process test (not slow, about a second a config) builds the same
 pieces from the same loaded config and takes two optimizer steps.
+
+Upstream's panoptic detector configs (``configs/panda/panseg/detector-v5-*``)
+get the same two checks on generated PILArNet v2 / v3 files that carry the
+detector truth: in-process (loader, model with the widths shrunk, optimizer
+with ``param_dicts``, a step, the panoptic fusion) and, slow, through
+tools/train.py (``weight=None`` where the config names weights on the Hub).
 """
 
 from __future__ import annotations
@@ -280,3 +286,100 @@ def test_upstream_crash_config_dies_after_its_checkpoint_and_resumes_to_the_same
     ref = torch.load(tmp_path / "ref" / "model" / "model_last.pth", weights_only=True)["state_dict"]
     got = torch.load(tmp_path / "run" / "model" / "model_last.pth", weights_only=True)["state_dict"]
     assert [k for k in ref if not torch.equal(ref[k], got[k])] == []
+
+
+# -- upstream's panoptic detector configs (configs/panda/panseg/detector-v5-*) -------------
+PANSEG = sorted((CONFIGS / "panda" / "panseg").glob("detector-v5-*.py"))
+
+
+@pytest.fixture(scope="module")
+def detector_roots(tmp_path_factory):
+    """PILArNet-M v2 and v3 files of generated events with the detector truth."""
+    roots = {}
+    for revision in ("v2", "v3"):
+        root = tmp_path_factory.mktemp(f"pilarnet_det_{revision}")
+        events = LArTPCSynthDataset(num_events=4, seed=3, split="train", points_per_event=(1100, 1400))
+        for split in ("train", "val", "test"):
+            (root / split).mkdir()
+            write_pilarnet_h5((events[i] for i in range(4)), root / split / "events_0000.h5", revision=revision)
+        roots[revision] = root
+    return roots
+
+
+def detector_options(config: Path, roots: dict) -> list[str]:
+    """data_root per split, and every width shrunk: 8-wide backbone stages, a
+    16-wide decoder with 2 heads (upstream: 48..512 and 256 / 16)."""
+    cfg = Config.fromfile(config)
+    options = [f"data.{s}.data_root={roots[cfg.data[s]['revision']]}" for s in ("train", "val", "test")]
+    backbone, stages = cfg.model["backbone"], len(cfg.model["backbone"]["enc_channels"])
+    options += [f"model.backbone.enc_channels={[WIDTH] * stages}", f"model.backbone.enc_num_head={[2] * stages}",
+                f"model.full_in_channels={WIDTH * stages}", "model.hidden_channels=16", "model.num_heads=2",
+                "batch_size=2", "num_worker=0"]
+    if "dec_channels" in backbone:
+        dec = len(backbone["dec_channels"])
+        options += [f"model.backbone.dec_channels={[WIDTH] * dec}", f"model.backbone.dec_num_head={[2] * dec}"]
+    return [o.replace(" ", "") for o in options]
+
+
+@pytest.mark.parametrize("config", PANSEG, ids=lambda c: c.stem)
+def test_upstream_detector_config_builds_and_takes_a_step(config, detector_roots, tmp_path):
+    """Every upstream detector-v5 config through pimm's config loader (every
+    hook, tester and transform it names resolves), its model with the widths
+    shrunk, its optimizer with ``param_dicts`` and its scheduler, and a forward
+    + backward + step on its own training data pipeline over generated files."""
+    from pimm.datasets import COLLATE_FNS, DATASETS
+    from pimm.engines.optim import build_optimizer
+    from pimm.engines.optim.scheduler import build_scheduler
+    from pimm.engines.registries import HOOKS, MODELS, TESTERS
+    from pimm.engines.run.launch import load_config
+
+    cfg, _ = load_config(str(config), detector_options(config, detector_roots) + [f"save_path={tmp_path / 'r'}"],
+                         world_size=1)
+    assert cfg.model["type"] == "detector-v5"
+    for hook in cfg.hooks:
+        HOOKS.get(hook["type"])  # every hook upstream's config names is registered
+    TESTERS.build(cfg.test)
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model).train()
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.param_dicts)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=2)
+    dataset = DATASETS.build(cfg.data["train"])
+    batch = COLLATE_FNS.get("point_collate_fn")([dataset[0], dataset[1]])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = model(batch)
+    assert torch.isfinite(out["loss"])
+    optimizer.zero_grad()
+    out["loss"].backward()
+    optimizer.step()
+    scheduler.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert moved and not moved & frozen
+    if cfg.model["backbone"].get("freeze_encoder"):
+        assert frozen and all(n.startswith("backbone.") for n in frozen)
+    if "lin" in config.stem:  # lr 0 for all but the regression heads
+        assert all("head_by_key" in n for n in moved), sorted(moved)
+    model.eval()
+    with torch.no_grad():
+        fused = model.postprocess(model(batch))
+    assert fused["instance_labels"].shape == (batch["coord"].shape[0],)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", PANSEG, ids=lambda c: c.stem)
+def test_upstream_detector_config_trains_through_the_command_line(config, detector_roots, tmp_path):
+    """Each detector-v5 config trains through tools/train.py as upstream wrote
+    it (W&B offline), only data_root, the widths and the run's size changed
+    (and ``weight=None`` where it names published weights on the Hub, which
+    this machine cannot reach): two steps, InstanceSegmentationEvaluator's
+    metrics in metrics.jsonl, FinalEvaluator's InstanceSegTester in test_metrics.json."""
+    save = tmp_path / "run"
+    options = detector_options(config, detector_roots) + [f"save_path={save}", "epoch=1", "eval_epoch=1"]
+    if str(Config.fromfile(config).get("weight") or "").startswith("hf://"):
+        options.append("weight=None")
+    res = run_tool("train", config, *options, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in open(save / "metrics.jsonl")]
+    assert len([r for r in records if "train/loss" in r]) == 2
+    assert any(k.endswith("/ins_det_f1") and k.startswith("val/") for r in records for k in r)
+    assert "InstanceSegmentationEvaluator" in json.loads((save / "test_metrics.json").read_text())["metrics"]

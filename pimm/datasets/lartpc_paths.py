@@ -90,7 +90,10 @@ class Deposits:
     """Energy deposits (position, MeV, source) of one event and its source table.
 
     A *source* is one labelled particle: its row holds (segment, instance,
-    interaction). Low-energy deposits of an interaction share one source."""
+    interaction). Low-energy deposits of an interaction share one source.
+    ``truth`` maps a source to its particle truth (:meth:`set_truth`), which
+    the generator records from values it has already drawn: recording it
+    never draws from ``rng``, so events stay what they were without it."""
 
     def __init__(self, rng: np.random.Generator, size: float, step: float, noise: float):
         self.rng, self.size, self.step, self.noise = rng, size, step, noise
@@ -98,6 +101,7 @@ class Deposits:
         self.de: list[np.ndarray] = []
         self.src: list[np.ndarray] = []
         self.sources: list[tuple[int, int, int]] = []
+        self.truth: dict[int, tuple] = {}
         self.next_instance = 0
 
     def new_source(self, segment: int, interaction: int) -> int:
@@ -106,6 +110,13 @@ class Deposits:
             instance, self.next_instance = self.next_instance, self.next_instance + 1
         self.sources.append((segment, instance, interaction))
         return len(self.sources) - 1
+
+    def set_truth(self, src: int, pid: int, momentum: float, direction, vertex, primary: bool) -> None:
+        """Particle truth of source ``src``: particle type (0 photon, 1
+        electron, 2 muon, 3 pion, 4 proton), |p| in MeV, unit direction, the
+        interaction vertex and whether it leaves the vertex (primary)."""
+        self.truth[src] = (pid, float(momentum), *(float(c) for c in direction), *(float(c) for c in vertex),
+                           int(bool(primary)))
 
     def deposit(self, pos: np.ndarray, de: np.ndarray, src: np.ndarray) -> None:
         self.pos.append(pos)

@@ -9,7 +9,8 @@ column in ``docs/pilarnet.md``):
 * ``cluster``: one row per cluster, ``(size, cluster id, group id,
   interaction id, semantic type)`` in revision v1, plus ``pid`` in v2 / v3;
 * ``cluster_extra`` (v2 / v3): one float row per cluster, ``(mass, |p|,
-  vertex x, y, z)`` in v2, plus ``is_primary`` in v3.
+  vertex x, y, z)`` in v2, plus ``is_primary`` in v3 (and ``px, py, pz``
+  in v3's packed layout, :mod:`pimm.datasets.pilarnet_truth`).
 
 :class:`PILArNetH5Dataset` takes upstream's options with upstream's meanings
 (``revision``, ``min_points``, ``max_len``, ``loop``, ``energy_threshold``,
@@ -37,6 +38,7 @@ from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
 
 from .overlay import EventOverlay, OverlaidItems
+from .pilarnet_truth import cluster_truth, truth_rows
 from .point_dataset import SPLITS, PointDataset
 from pimm.utils.domains import (
     Choice, Count, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
@@ -161,7 +163,9 @@ class PILArNetH5Dataset(OverlaidItems, PointDataset):
     (semantic type), ``segment_pid`` (particle type), ``instance_particle``
     (group id renumbered 0..K-1, -1 for negative ids), ``instance_interaction``
     (the same for interactions), ``segment_interaction`` (1 inside an
-    interaction, 0 for background), ``is_primary`` (v3 only), and pimm's
+    interaction, 0 for background), ``is_primary`` (v3 only), ``momentum``
+    (N, 1), ``momentum_vec`` (N, 3) and ``vertex`` (N, 3) (the particle truth,
+    :mod:`pimm.datasets.pilarnet_truth`), and pimm's
     ``instance`` (as ``instance_particle`` but -1 for low-energy deposits) and
     ``interaction`` (raw interaction id); ``name`` = ``"<file>.h5_<event>"``,
     ``split`` and ``revision`` strings.
@@ -298,9 +302,11 @@ def decode_event(point: np.ndarray, cluster: np.ndarray, extra: np.ndarray | Non
                             f"cluster ({revision}), got {extra.size} for {len(cluster)} clusters")
     if revision == "v3":
         primary = extra.reshape(len(cluster), -1)[:, 5].astype(np.int64) if len(cluster) else np.zeros(0, np.int64)
+    truth = cluster_truth(extra, len(cluster), revision)
     if remove_low_energy_scatters and len(cluster):
         point, cluster, pid = point[sizes[0]:], cluster[1:], pid[1:]
         primary = None if primary is None else primary[1:]
+        truth = {k: v[1:] for k, v in truth.items()}
         sizes = cluster[:, 0]
     semantic, group, interaction = (np.repeat(cluster[:, c], sizes) for c in (4, 2, 3))
     data = dict(
@@ -317,6 +323,8 @@ def decode_event(point: np.ndarray, cluster: np.ndarray, extra: np.ndarray | Non
     )
     if primary is not None:
         data["is_primary"] = np.repeat(primary, sizes)
+    data.update(momentum=np.repeat(truth["momentum"], sizes)[:, None], momentum_vec=np.repeat(truth["momentum_vec"],
+                sizes, axis=0), vertex=np.repeat(truth["vertex"], sizes, axis=0))
     if energy_threshold > 0:
         keep = data["energy"][:, 0] > energy_threshold
         data = {k: v[keep] for k, v in data.items()}
@@ -351,15 +359,14 @@ def _event_rows(event: dict, revision: str) -> tuple[np.ndarray, np.ndarray, np.
     first = order[starts]
     group = np.where(low[first], -1, instance[first])
     columns = [sizes, group, group, interaction[first], segment[first]]
-    if revision != "v1":
-        columns.append(np.full(len(first), -1))  # particle type: not simulated
+    extra = np.zeros((len(first), 0), dtype=np.float32)
+    if revision != "v1":  # the particle truth when the event has it (generated events do), else -1
+        pid, extra = truth_rows(event, first, revision)
+        columns.append(pid)
     cluster = np.stack(columns, axis=1) if n else np.zeros((0, len(columns)), dtype=np.int64)
-    # Columns this library does not simulate (time, electrons, dx, mass,
-    # momentum, vertex, is_primary) are written as 0 / -1 placeholders.
+    # Columns this library does not simulate (time, electrons, dx) are written as 0.
     point = np.zeros((n, len(POINT_COLUMNS)), dtype=np.float32)
     point[:, :3], point[:, 3], point[:, 4] = coord[order], energy[order], energy[order]
-    extra_width = {"v1": 0, "v2": 5, "v3": 6}[revision]
-    extra = np.full((len(cluster), extra_width), -1.0, dtype=np.float32)
     return point.ravel(), cluster.astype(np.int64).ravel(), extra.ravel()
 
 

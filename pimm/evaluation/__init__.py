@@ -29,9 +29,9 @@ from .semseg import SemSegEvaluator  # noqa: E402
 
 __all__ += ["ClusterPolicyEvaluator", "InsSegEvaluator", "ProposalEvaluator", "SemSegEvaluator"]
 
-from .testers import ClsTester, InsSegTester, SemSegTester  # noqa: E402  (registers TESTERS entries)
+from .testers import ClsTester, InsSegTester, InstanceSegTester, SemSegTester  # noqa: E402  (registers TESTERS)
 
-__all__ += ["ClsTester", "InsSegTester", "SemSegTester"]
+__all__ += ["ClsTester", "InsSegTester", "InstanceSegTester", "SemSegTester"]
 
 from .ring_gan import RingGANEvaluator  # noqa: E402  (registers the HOOKS entry)
 
@@ -52,3 +52,7 @@ __all__ += ["EventLinearProbeEvaluator", "OnlineLinearProbe"]
 from .mae import MAEEvaluator  # noqa: E402  (registers the HOOKS entry)
 
 __all__ += ["MAEEvaluator"]
+
+from .panoptic import InstanceSegmentationEvaluator  # noqa: E402  (registers the HOOKS entry)
+
+__all__ += ["InstanceSegmentationEvaluator"]

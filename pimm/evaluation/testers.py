@@ -7,7 +7,7 @@ from __future__ import annotations
 from pimm.engines.registries import TESTERS
 from pimm.engines.loop.testers import TesterBase
 
-__all__ = ["SemSegTester", "InsSegTester", "ClsTester"]
+__all__ = ["SemSegTester", "InsSegTester", "InstanceSegTester", "ClsTester"]
 
 
 @TESTERS.register_module()
@@ -17,11 +17,19 @@ class SemSegTester(TesterBase):
     evaluator_type = "SemSegEvaluator"
 
 
-@TESTERS.register_module(["InsSegTester", "InstanceSegTester"])
+@TESTERS.register_module()
 class InsSegTester(TesterBase):
     """Instance segmentation (``InsSegEvaluator``)."""
 
     evaluator_type = "InsSegEvaluator"
+
+
+@TESTERS.register_module()
+class InstanceSegTester(TesterBase):
+    """Upstream's tester of its panoptic detector (``InstanceSegmentationEvaluator``:
+    ``class_names``, ``stuff_classes``, ``require_class_for_match``, ``labels``, ...)."""
+
+    evaluator_type = "InstanceSegmentationEvaluator"
 
 
 @TESTERS.register_module(["ClsTester", "ClsVoteTester"])

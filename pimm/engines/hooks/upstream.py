@@ -1,11 +1,13 @@
-"""Hooks of upstream pimm's default runtime that pimm provides, and what to use
-instead of the ones it does not (shown when a config names them).
+"""Hooks of upstream pimm's default runtime that pimm provides.
 
 * ``ModelHook``: a model that is itself a :class:`HookBase` gets the phases.
 * ``FinalEvaluator(test_last=False)``: after training, score
   ``model/model_best.pth`` (or the last weights) on ``data.test`` with the
   config's tester (``test = dict(...)``) or its evaluators, and write
   ``test_metrics.json`` as ``tools/test.py`` does.
+
+(Upstream's ``InstanceSegmentationEvaluator`` is in :mod:`pimm.evaluation.panoptic`,
+its ``AttentionMaskAnnealingHook`` in :mod:`pimm.engines.hooks.upstream_diagnostics`.)
 """
 
 from __future__ import annotations
@@ -72,11 +74,3 @@ class FinalEvaluator(HookBase):
         trainer.test(weight)
 
 
-_INSTEAD = {
-    "InstanceSegmentationEvaluator": "InsSegEvaluator",
-}
-for _name in ("AttentionMaskAnnealingHook",):
-    _INSTEAD[_name] = ("a diagnostic/pre-training hook of upstream's own models (PT-v3, Sonata); not shipped: write "
-                       "a hook of your own (docs/hooks.md)")
-for _name, _hint in _INSTEAD.items():
-    HOOKS.add_hint(_name, f"use {_hint}" if not _hint.startswith("a ") else _hint)

@@ -1,7 +1,9 @@
 """Upstream pimm's diagnostic hooks, with upstream's arguments and meaning:
 ``GarbageHandler`` (Python garbage collection on a step cadence),
-``LogitEntropyLogger`` (entropy of a model output's softmax) and
-``RuntimeProfiler`` (a ``torch.profiler`` trace of the first steps); and the
+``LogitEntropyLogger`` (entropy of a model output's softmax),
+``RuntimeProfiler`` (a ``torch.profiler`` trace of the first steps) and
+``AttentionMaskAnnealingHook`` (drives and logs a model's attention-mask
+annealing, Panda's detector); and the
 one-line answers for hook names upstream's configs use that nothing builds
 (``RuntimeProfilerV2``, ``PreciseEvaluator``).
 
@@ -23,7 +25,7 @@ from pimm.engines.registries import HOOKS
 from pimm.utils.domains import Choice, Count, Int, Key, PosInt, Real, Text
 from pimm.utils.errors import ConfigError
 
-__all__ = ["GarbageHandler", "LogitEntropyLogger", "RuntimeProfiler"]
+__all__ = ["GarbageHandler", "LogitEntropyLogger", "RuntimeProfiler", "AttentionMaskAnnealingHook"]
 
 
 def _positive_int(owner: str, key: str, value) -> int:
@@ -252,3 +254,48 @@ HOOKS.add_hint("RuntimeProfilerV2", "upstream's configs name it but its source r
                                     "RuntimeProfiler (same arguments)")
 HOOKS.add_hint("PreciseEvaluator", "upstream's configs name it but its source registers no such hook; use "
                                    "SemSegEvaluator (or the evaluator of your task, docs/hooks/evaluators.md)")
+
+
+@HOOKS.register_module()
+class AttentionMaskAnnealingHook(HookBase):
+    """Tell the model the global step after every step
+    (``model.update_anneal_step(step)``, and once before training, so a
+    resumed run continues where it was) and every ``log_frequency`` steps log
+    the mean of its decoder blocks' mask-bias factors
+    (``model.anneal_factors()``: 1 full mask, 0 none) as ``<prefix>/average``
+    (``log_per_layer``: also ``<prefix>/layer_<i>``). A model without
+    ``update_anneal_step`` turns the hook off with one log line.
+    ``detector-v5`` does not anneal (upstream turns it off), so its factors
+    stay 1."""
+
+    domains = dict(log_frequency=PosInt, prefix=Key)
+
+    def __init__(self, log_frequency: int = 100, log_per_layer: bool = False, prefix: str = "anneal"):
+        self.log_frequency = _positive_int("AttentionMaskAnnealingHook", "log_frequency", log_frequency)
+        self.log_per_layer, self.prefix = bool(log_per_layer), prefix
+        self._model = None
+
+    def before_train(self):
+        model = self.trainer.model_without_ddp
+        if not hasattr(model, "update_anneal_step"):
+            self.trainer.logger.info(f"AttentionMaskAnnealingHook: {type(model).__name__} has no "
+                                     "update_anneal_step; nothing to anneal")
+            return
+        self._model = model
+        model.update_anneal_step(int(self.trainer.global_step))
+
+    def after_step(self):
+        if self._model is None:
+            return
+        step = int(self.trainer.global_step)
+        self._model.update_anneal_step(step)
+        if step % self.log_frequency or not hasattr(self._model, "anneal_factors"):
+            return
+        factors = [float(f) for f in self._model.anneal_factors()]
+        if not factors:
+            return
+        writer = self.trainer.writer
+        writer.add_scalar(f"{self.prefix}/average", sum(factors) / len(factors), step)
+        if self.log_per_layer:
+            for i, factor in enumerate(factors):
+                writer.add_scalar(f"{self.prefix}/layer_{i}", factor, step)

@@ -1,0 +1,8 @@
+"""Upstream pimm's Panda panoptic detector (``detector-v5``): a point backbone,
+a shared masked-attention query decoder over several label sets, Hungarian-
+matched instance losses and a matrix-NMS panoptic fusion."""
+
+from .detector import UnifiedDetector
+from .postprocess import matrix_nms, postprocess_batch, postprocess_event
+
+__all__ = ["UnifiedDetector", "matrix_nms", "postprocess_batch", "postprocess_event"]
