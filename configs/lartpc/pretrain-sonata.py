@@ -1,8 +1,8 @@
 # Sonata self-supervised pre-training (stage 1 of docs/pretraining.md) of a
 # small PT-v3m2 encoder on generated LArTPC events, no labels used; upstream's
 # pilarnet-smallmask recipe (views, masks, schedules, hooks), small enough for
-# the 2-core CPU: 480 optimizer steps of 2 events, about 9 CPU-minutes of
-# training (docs/pretraining.md has the measured wall times and load). Batches
+# the 2-core CPU: 480 optimizer steps of 2 events, 7 min 23 s for the command
+# on the quiet VM, one thread (docs/pretraining.md has the measured runs). Batches
 # of 2 give twice the updates of batches of 4 for the same compute, which this
 # short run needs more than larger batches (the learning rate is scaled by
 # sqrt(2/4) from the batch-4 value, as upstream scales its base_lr).
