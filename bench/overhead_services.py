@@ -1,0 +1,110 @@
+"""Which of pimm's default services the per-step overhead comes from.
+
+``bench/overhead.py``'s workload (an MLP, 256 steps over 2 epochs, one
+thread), run as pimm with the runtime base's default hooks and then with one
+service switched off by a command-line option, in interleaved rounds beside
+the raw loop. Reported: each variant's median CPU time per step
+(``process_time``: every thread, so background writers count) and the median
+of its per-round ratios to the raw loop; wall time beside it.
+
+    python bench/overhead_services.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import torch  # noqa: E402
+
+import overhead  # noqa: E402  (the workload, the raw loop, the config)
+from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
+from pimm.utils.logger import setup_logger  # noqa: E402
+
+_EVERY_HOOK = [f"default_hooks.{name}=None" for name in (
+    "checkpoint", "live_control", "information_writer", "progress_bar", "timer", "on_demand_validation")]
+VARIANTS = {
+    "all defaults": [],
+    "no epoch-end checkpoints": ["default_hooks.checkpoint=None"],
+    "no TensorBoard": ["enable_tensorboard=False"],
+    "no InformationWriter": ["default_hooks.information_writer=None"],
+    "no LiveControl": ["default_hooks.live_control=None"],
+    "no default hook, no TensorBoard": ["enable_tensorboard=False", *_EVERY_HOOK],
+}
+
+
+def run_variant(workdir: Path, tag: str, options: list[str], seed: int) -> tuple[float, float]:
+    """(wall, cpu) seconds of the epoch loops of one pimm run with ``options``."""
+    cfg_file = workdir / f"{tag}_cfg.py"
+    cfg_file.write_text(overhead.CONFIG.format(
+        base=str(overhead.ROOT / "configs" / "_base_" / "default_runtime.py"), save_path=str(workdir / tag),
+        seed=seed, batch=overhead.BATCH, in_dim=overhead.IN_DIM, hidden=overhead.HIDDEN,
+        classes=overhead.NUM_CLASSES, samples=overhead.STEPS // overhead.EPOCHS * overhead.BATCH, lr=overhead.LR,
+        epochs=overhead.EPOCHS, wd=overhead.WEIGHT_DECAY, warmup=overhead.WARMUP_RATIO))
+    cfg, hooks = load_config(str(cfg_file), list(options), world_size=1)
+    logger = setup_logger(cfg.save_path, rank=0)
+    for handler in list(logger.handlers):
+        if not isinstance(handler, logging.FileHandler):
+            logger.removeHandler(handler)
+    trainer = build_trainer(cfg, hooks=hooks)
+    inner, timing = trainer._run_epochs, {}
+
+    def timed():
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return inner()
+        finally:
+            timing["wall"], timing["cpu"] = time.perf_counter() - start, time.process_time() - cpu
+
+    trainer._run_epochs = timed
+    gc.collect()
+    trainer.train()
+    del trainer
+    gc.collect()
+    return timing["wall"], timing["cpu"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    walls = {name: [] for name in ["raw", *VARIANTS]}
+    cpus = {name: [] for name in walls}
+    with tempfile.TemporaryDirectory(prefix="pimm-services-") as tmp:
+        workdir = Path(tmp)
+        overhead.run_raw(0)  # untimed warm-up of both sides
+        run_variant(workdir, "warmup", [], 0)
+        for r in range(args.rounds):
+            raw = overhead.run_raw(r + 1)
+            walls["raw"].append(raw["loop"])
+            cpus["raw"].append(raw["cpu"])
+            for i, (name, options) in enumerate(VARIANTS.items()):
+                wall, cpu = run_variant(workdir, f"r{r}v{i}", options, r + 1)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+            print(f"round {r}: " + "  ".join(f"{name} {cpus[name][-1] / overhead.STEPS * 1e3:.3f}" for name in walls)
+                  + " ms/step (cpu)", flush=True)
+    print(f"\n{overhead.STEPS} steps; {args.rounds} interleaved rounds; load average "
+          + " ".join(f"{x:.1f}" for x in __import__("os").getloadavg()))
+    print("| pimm variant | median CPU ms/step | CPU ratio to raw | median wall ms/step | wall ratio to raw |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in walls:
+        cpu_ratio = statistics.median(c / b for c, b in zip(cpus[name], cpus["raw"]))
+        wall_ratio = statistics.median(w / b for w, b in zip(walls[name], walls["raw"]))
+        print(f"| {name} | {statistics.median(cpus[name]) / overhead.STEPS * 1e3:.3f} | {cpu_ratio:.3f} | "
+              f"{statistics.median(walls[name]) / overhead.STEPS * 1e3:.3f} | {wall_ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
