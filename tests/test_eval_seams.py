@@ -154,9 +154,14 @@ def test_warm_start_key_map_is_a_runtime_key(tmp_path):
     other = make_trainer(tmp_path / "c", '[dict(type="CheckpointLoader", key_map=[("old.", "")])]', epoch=1,
                          options=[f"weight={renamed}"])
     assert other.cfg.weight_key_map == [["old.", ""]]
-    with pytest.raises(ConfigError, match="contradicts weight_key_map"):
+    with pytest.raises(ConfigError, match="contradicts weight_key_map.*'old.' renamed both to 'new.' and to ''"):
         make_trainer(tmp_path / "d", '[dict(type="CheckpointLoader", key_map=[("old.", "")])]', epoch=1,
-                     options=["weight_key_map=[['x.', '']]"])
+                     options=["weight_key_map=[['old.', 'new.']]"])
+    # Rules for other prefixes combine (upstream lists one CheckpointLoader per renamed prefix), longest first.
+    both = make_trainer(tmp_path / "d2", '[dict(type="CheckpointLoader", keywords="old.", replacement=""), '
+                        'dict(type="CheckpointLoader", keywords="old.head.", replacement="head.")]', epoch=1,
+                        options=["weight_key_map=[['x.', '']]"])
+    assert both.cfg.weight_key_map == [["old.head.", "head."], ["old.", ""], ["x.", ""]]
     with pytest.raises(ConfigError, match="weight_key_map=.*old_prefix, new_prefix"):
         make_trainer(tmp_path / "e", "[]", epoch=1, options=["weight_key_map=['old.']"])
 

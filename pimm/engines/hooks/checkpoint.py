@@ -203,11 +203,18 @@ class CheckpointLoader(HookBase):
         self.strict = strict
 
     def modify_config(self, cfg) -> None:
-        """Put ``key_map`` into ``cfg.weight_key_map`` (a differing key already there is an error)."""
+        """Add ``key_map`` to ``cfg.weight_key_map``. Several loaders (upstream's
+        configs list one per renamed prefix) and the runtime key combine, the
+        longest prefix first; one prefix renamed two ways is an error."""
         if not self.key_map:
             return
-        current = cfg.get("weight_key_map")
-        if current and [tuple(pair) for pair in current] != self.key_map:
-            raise ConfigError(f"CheckpointLoader(key_map={self.key_map}) contradicts weight_key_map={current}: "
-                              "give the key map once (weight_key_map)")
-        cfg.weight_key_map = [list(pair) for pair in self.key_map]
+        current = [tuple(pair) for pair in cfg.get("weight_key_map") or ()]
+        merged = dict(current)
+        for old, new in self.key_map:
+            if merged.get(old, new) != new:
+                raise ConfigError(f"CheckpointLoader(key_map={self.key_map}) contradicts weight_key_map="
+                                  f"{[list(pair) for pair in current]}: prefix {old!r} renamed both to "
+                                  f"{merged[old]!r} and to {new!r}; give each prefix one rule")
+            merged[old] = new
+        rules = sorted(merged.items(), key=lambda rule: len(rule[0]), reverse=True)  # stable: ties keep their order
+        cfg.weight_key_map = [list(pair) for pair in rules]

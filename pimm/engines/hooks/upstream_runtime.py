@@ -23,7 +23,7 @@ from torch import nn
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.checkpoint import CheckpointSaver
 from pimm.engines.registries import HOOKS
-from pimm.utils.domains import Choice, Count, Key, Keys, Names, PosInt, Real, Seq, Text, show
+from pimm.utils.domains import Bool, Choice, Count, Key, Keys, Names, PosInt, Real, Seq, Text, show
 from pimm.utils.errors import ConfigError
 
 __all__ = ["WandbNamer", "ParameterCounter", "WeightDecayExclusion", "WeightDecayScheduler", "DtypeOverrider",
@@ -266,9 +266,18 @@ class DtypeOverrider(HookBase):
 @HOOKS.register_module()
 class CheckpointSaverIteration(CheckpointSaver):
     """Upstream's step-interval saver: :class:`CheckpointSaver` with
-    ``save_freq`` steps (the same resumable checkpoints)."""
+    ``save_freq`` steps (the same resumable checkpoints).
+    ``save_iter_checkpoints=True`` keeps every step's checkpoint (``keep_all``),
+    ``False`` the rolling latest (the saver's retention); ``backend``, upstream's
+    deprecated on-disk format selector, is accepted and changes nothing: pimm
+    writes its own verified layout (as for ``checkpoint_format``)."""
 
-    def __init__(self, save_freq: int = 1000, **options):
+    domains = dict(save_iter_checkpoints=Bool, backend=Choice("dcp", "torch") | None)
+
+    def __init__(self, save_freq: int = 1000, save_iter_checkpoints: bool = False, backend: str | None = None,
+                 **options):
+        if save_iter_checkpoints:
+            options.setdefault("keep_all", True)
         super().__init__(save_freq=save_freq, **options)
 
 
