@@ -8,18 +8,17 @@
 # "Speed on CPU").
 #
 # Level 0 is 16 wide with one head (the sparse U-Net's level-0 width): a
-# step costs ~1.55x the U-Net's (bench/ptv3.py --compare
+# step costs ~1.51x the U-Net's (bench/ptv3.py --compare
 # configs/lartpc/semseg-sparseunet.py) against ~2.1-2.2x at width 32.
 #
-# Measured 2026-12-06 with OMP_NUM_THREADS=1 on the shared VM (load average
-# 12-21 for the first 35 min, then 2-6): val mIoU 0.627 / 0.721 / 0.787 /
-# 0.831 / 0.849 / 0.856 after 300 / 600 / 900 / 1,200 / 1,500 / 1,800 steps
-# (IoU shower 0.918, track 0.915, Michel 0.842, delta 0.606, low-energy
-# 0.996), 43 min 25 s for the whole command, 2,577 s of training at 1.3-4.3 s a
-# step under the load and 0.46-0.53 s once it fell (~15 min for the 1,800
-# steps at that rate). The 0.90 target is not reached: per step this model
-# learns about as the 32-wide one did (0.787 vs 0.795 after 900 steps), and
-# that one ended at 0.874 after 2,400 steps (27 min on the idle VM).
+# Measured 2026-12-06 on the quiet VM (16:25-16:41 UTC, load 1-2, torch's two
+# threads): val mIoU 0.613 / 0.726 / 0.786 / 0.819 / 0.845 / 0.855 after
+# 300 / 600 / 900 / 1,200 / 1,500 / 1,800 steps (IoU shower 0.926, track 0.923,
+# Michel 0.823, delta 0.607, low-energy 0.997), 16 min 01 s for the whole
+# command, 957 s of training. The same run under load (OMP_NUM_THREADS=1,
+# load 12-21) took 43 min 25 s and reached 0.856. The 0.90 target is not
+# reached: per step this model learns about as the 32-wide one did, and that
+# one ended at 0.874 after 2,400 steps.
 #
 # One pass over 14,400 events (1,800 steps of 8) generated on the fly by one
 # loader worker (generation, ~6 ms an event, overlaps the steps), evaluation
