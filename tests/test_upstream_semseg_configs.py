@@ -37,7 +37,7 @@ import torch
 from pimm.datasets.lartpc import LArTPCSynthDataset
 from pimm.datasets.pilarnet import write_pilarnet_h5
 from pimm.utils.config import Config
-from tests.support.inprocess import committed_steps, make_trainer
+from tests.support.inprocess import committed_steps, make_trainer, two_steps_in_process
 from tests.support.run import ROOT, run_tool
 
 CONFIGS = ROOT / "tests" / "support" / "upstream_configs"
@@ -233,31 +233,11 @@ def test_upstream_config_pieces_take_two_steps_in_process(config, data_roots, tm
     the same options, then its model and criteria, its training data and
     transforms, its optimizer with ``param_dicts`` and its scheduler, built as
     the trainer builds them, take two optimizer steps."""
-    from pimm.datasets import COLLATE_FNS, DATASETS
     from pimm.engines.run.launch import load_config
-    from pimm.engines.optim import build_optimizer
-    from pimm.engines.registries import MODELS
-    from pimm.engines.optim.scheduler import build_scheduler
 
     cfg, _ = load_config(str(without_pending(config, tmp_path)),
                          run_options(config, data_roots, tmp_path / "run"), world_size=1)
-    torch.manual_seed(0)
-    model = MODELS.build(cfg.model).train()
-    optimizer = build_optimizer(cfg.optimizer, model, cfg.param_dicts)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=2)
-    dataset = DATASETS.build(cfg.data["train"])
-    collate = COLLATE_FNS.get("point_collate_fn")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for step in range(2):
-        batch = collate([dataset[2 * step], dataset[2 * step + 1]])
-        loss = model(batch)["loss"]
-        assert torch.isfinite(loss)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    moved, frozen = two_steps_in_process(cfg)
     assert moved and not moved & frozen
     if config == LIN:
         assert moved == {"seg_head.weight", "seg_head.bias"}

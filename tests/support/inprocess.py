@@ -47,3 +47,33 @@ def records(save_path: Path) -> list[dict]:
 
 def committed_steps(save_path: Path) -> list[int]:
     return [int(p.name[4:13]) for p in CheckpointManager(Path(save_path) / "checkpoints").committed()]
+
+
+def two_steps_in_process(cfg) -> tuple[set[str], set[str]]:
+    """A loaded config's model, optimizer (with ``param_dicts``), scheduler and
+    training data, built as the trainer builds them, take two optimizer steps
+    of two samples each (every loss finite); returns the names of the
+    parameters that moved and of the frozen ones."""
+    import torch
+
+    from pimm.datasets import COLLATE_FNS, DATASETS
+    from pimm.engines.optim import build_optimizer
+    from pimm.engines.optim.scheduler import build_scheduler
+    from pimm.engines.registries import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model).train()
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.param_dicts)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=2)
+    dataset = DATASETS.build(cfg.data["train"])
+    collate = COLLATE_FNS.get("point_collate_fn")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(2):
+        loss = model(collate([dataset[2 * step], dataset[2 * step + 1]]))["loss"]
+        assert torch.isfinite(loss), step
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    return moved, {n for n, p in model.named_parameters() if not p.requires_grad}
