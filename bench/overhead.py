@@ -185,8 +185,8 @@ def _save_epoch(save_dir: Path, model, optimizer, scheduler, epoch: int) -> None
     os.replace(tmp, final)
 
 
-def build_pimm(workdir: Path, tag: str, seed: int):
-    """A DefaultTrainer built from a config file, as tools/train.py would build it."""
+def build_pimm(workdir: Path, tag: str, seed: int, options: tuple[str, ...] = ()):
+    """A DefaultTrainer built from a config file (and ``--options``), as tools/train.py would build it."""
     save_path = workdir / tag
     cfg_file = workdir / f"{tag}_cfg.py"
     cfg_file.write_text(CONFIG.format(
@@ -194,7 +194,7 @@ def build_pimm(workdir: Path, tag: str, seed: int):
         batch=BATCH, in_dim=IN_DIM, hidden=HIDDEN, classes=NUM_CLASSES, samples=STEPS // EPOCHS * BATCH, lr=LR,
         epochs=EPOCHS,
         wd=WEIGHT_DECAY, warmup=WARMUP_RATIO))
-    cfg, hooks = load_config(str(cfg_file), [], world_size=1)
+    cfg, hooks = load_config(str(cfg_file), list(options), world_size=1)
     # train.log as the CLI writes it, minus the console copy (it would flood this output).
     logger = setup_logger(cfg.save_path, rank=0)
     for handler in list(logger.handlers):
@@ -203,8 +203,9 @@ def build_pimm(workdir: Path, tag: str, seed: int):
     return build_trainer(cfg, hooks=hooks)
 
 
-def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None) -> dict:
-    trainer = build_pimm(workdir, tag, seed)
+def run_pimm(workdir: Path, tag: str, seed: int, profiler: cProfile.Profile | None = None,
+             options: tuple[str, ...] = ()) -> dict:
+    trainer = build_pimm(workdir, tag, seed, options)
     timing = {}
     inner = trainer._run_epochs
 

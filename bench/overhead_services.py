@@ -13,12 +13,9 @@ of its per-round ratios to the raw loop; wall time beside it.
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -28,8 +25,6 @@ if str(BENCH) not in sys.path:
 import torch  # noqa: E402
 
 import overhead  # noqa: E402  (the workload, the raw loop, the config)
-from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
-from pimm.utils.logger import setup_logger  # noqa: E402
 
 _EVERY_HOOK = [f"default_hooks.{name}=None" for name in (
     "checkpoint", "live_control", "information_writer", "progress_bar", "timer", "on_demand_validation")]
@@ -43,37 +38,6 @@ VARIANTS = {
 }
 
 
-def run_variant(workdir: Path, tag: str, options: list[str], seed: int) -> tuple[float, float]:
-    """(wall, cpu) seconds of the epoch loops of one pimm run with ``options``."""
-    cfg_file = workdir / f"{tag}_cfg.py"
-    cfg_file.write_text(overhead.CONFIG.format(
-        base=str(overhead.ROOT / "configs" / "_base_" / "default_runtime.py"), save_path=str(workdir / tag),
-        seed=seed, batch=overhead.BATCH, in_dim=overhead.IN_DIM, hidden=overhead.HIDDEN,
-        classes=overhead.NUM_CLASSES, samples=overhead.STEPS // overhead.EPOCHS * overhead.BATCH, lr=overhead.LR,
-        epochs=overhead.EPOCHS, wd=overhead.WEIGHT_DECAY, warmup=overhead.WARMUP_RATIO))
-    cfg, hooks = load_config(str(cfg_file), list(options), world_size=1)
-    logger = setup_logger(cfg.save_path, rank=0)
-    for handler in list(logger.handlers):
-        if not isinstance(handler, logging.FileHandler):
-            logger.removeHandler(handler)
-    trainer = build_trainer(cfg, hooks=hooks)
-    inner, timing = trainer._run_epochs, {}
-
-    def timed():
-        start, cpu = time.perf_counter(), time.process_time()
-        try:
-            return inner()
-        finally:
-            timing["wall"], timing["cpu"] = time.perf_counter() - start, time.process_time() - cpu
-
-    trainer._run_epochs = timed
-    gc.collect()
-    trainer.train()
-    del trainer
-    gc.collect()
-    return timing["wall"], timing["cpu"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -84,15 +48,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pimm-services-") as tmp:
         workdir = Path(tmp)
         overhead.run_raw(0)  # untimed warm-up of both sides
-        run_variant(workdir, "warmup", [], 0)
+        overhead.run_pimm(workdir, "warmup", 0)
         for r in range(args.rounds):
             raw = overhead.run_raw(r + 1)
             walls["raw"].append(raw["loop"])
             cpus["raw"].append(raw["cpu"])
             for i, (name, options) in enumerate(VARIANTS.items()):
-                wall, cpu = run_variant(workdir, f"r{r}v{i}", options, r + 1)
-                walls[name].append(wall)
-                cpus[name].append(cpu)
+                result = overhead.run_pimm(workdir, f"r{r}v{i}", r + 1, options=tuple(options))
+                walls[name].append(result["loop"])
+                cpus[name].append(result["cpu"])
             print(f"round {r}: " + "  ".join(f"{name} {cpus[name][-1] / overhead.STEPS * 1e3:.3f}" for name in walls)
                   + " ms/step (cpu)", flush=True)
     print(f"\n{overhead.STEPS} steps; {args.rounds} interleaved rounds; load average "
