@@ -34,6 +34,9 @@ VARIANTS = {
     "no TensorBoard": ["enable_tensorboard=False"],
     "no InformationWriter": ["default_hooks.information_writer=None"],
     "no LiveControl": ["default_hooks.live_control=None"],
+    "no progress bar": ["default_hooks.progress_bar=None"],
+    "no IterationTimer": ["default_hooks.timer=None"],
+    "no on-demand validation": ["default_hooks.on_demand_validation=None"],
     "no default hook, no TensorBoard": ["enable_tensorboard=False", *_EVERY_HOOK],
 }
 

@@ -110,13 +110,7 @@ class MetricsWriter(SummaryWriterCalls):
                 self._wandb_run.log(scalars, step=step)
 
     def _add_tb_scalars(self, scalars: dict[str, float], step: int) -> None:
-        # One event holding every scalar of the window: tensorboardX sends each
-        # event through a multiprocessing queue and a writer thread, so one
-        # add_scalar per tag cost ~100 us each on the training thread.
-        from tensorboardX.proto.summary_pb2 import Summary
-
-        values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
-        self._tb._get_file_writer().add_summary(Summary(value=values), step)
+        self._tb.add_scalars(scalars, step)  # one event holding every scalar of the window
 
     @property
     def logs_images(self) -> bool:
@@ -147,10 +141,9 @@ class MetricsWriter(SummaryWriterCalls):
         self.save_path.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.save_path / METRICS_FILE, "a")
         if self.enable_tensorboard:
-            from tensorboardX import SummaryWriter
+            from pimm.engines.observe.tensorboard_file import TensorBoardFile
 
-            self._tb = SummaryWriter(str(self.save_path / "tensorboard"), purge_step=self._purge_step)
-            _close_reports_os_errors(self._tb, self.logger)
+            self._tb = TensorBoardFile(self.save_path / "tensorboard", purge_step=self._purge_step, logger=self.logger)
         if self.use_wandb:
             from pimm.engines.observe.wandb_options import start_wandb_run
 
@@ -256,31 +249,6 @@ class MetricsWriter(SummaryWriterCalls):
         if self._wandb_run is not None:
             self._wandb_run.finish(exit_code=1 if self._failed else None)
             self._wandb_run = None
-
-
-def _close_reports_os_errors(tb, logger: logging.Logger) -> None:
-    """Make an OSError (a full disk) while flushing or closing ``tb``'s event file
-    one log line, after which that file takes no more writes. tensorboardX raises
-    it from ``close`` and, because a close that raised left the file open, again
-    from its own close at interpreter exit (atexit), where it is a traceback on
-    stderr after pimm's one-line report of the failure."""
-    event_writer = tb._get_file_writer().event_writer
-    failed = []
-
-    def reporting(method):
-        def call(*args):
-            try:
-                return method(*args)
-            except OSError as err:
-                event_writer.flush = event_writer.close = event_writer.add_event = lambda *_: None
-                if failed:  # close() calls flush() first: one failure, one line
-                    return
-                failed.append(err)
-                logger.error(f"TensorBoard: cannot write {event_writer.get_logdir()}: {err}; no more events "
-                             "are written there (metrics.jsonl has every value)")
-        return call
-
-    event_writer.flush, event_writer.close = reporting(event_writer.flush), reporting(event_writer.close)
 
 
 class DashboardWindow:

@@ -1,0 +1,147 @@
+"""A TensorBoard event file appended on the calling thread.
+
+Why not tensorboardX's ``SummaryWriter``: it hands every event to a
+``multiprocessing.Queue`` whose feeder thread pickles it into a pipe for a
+third thread that appends it to the file. pimm writes one small event per
+logging window, and on a small model those wake-ups and GIL hand-overs cost
+about 5 % of the training step (``bench/overhead_services.py``). Here the
+event is framed (TFRecord: length, masked CRC-32C of the length, payload,
+masked CRC-32C of the payload) and appended with one unbuffered ``write``
+call, so it is in the file when the call returns: a killed run's dashboard
+has every window that ``metrics.jsonl`` has. tensorboardX still builds the
+summaries (protobufs, image encoding, histogram bins) and computes the CRC.
+
+The file is created exclusively (``events.out.tfevents.<time>.<host>.<pid>``,
+a counter appended when that name exists), so a resumed run never overwrites
+the event file of the run before it. A write that fails (a full disk) is one
+log line; the file then takes no more events (``metrics.jsonl`` has every
+value).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TensorBoardFile"]
+
+
+class TensorBoardFile:
+    """Append TensorBoard events to a new file in ``logdir``.
+
+    Args:
+        logdir: the folder (created if missing).
+        purge_step: steps from this one on, written by an earlier event file of
+            the same folder, are hidden by TensorBoard (a resumed run).
+        logger: where a write failure is reported, once.
+    """
+
+    def __init__(self, logdir: str | Path, purge_step: int | None = None, logger: logging.Logger | None = None):
+        from tensorboardX.crc32c import crc32c
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self.logdir = Path(logdir)
+        self.logger = logger or logging.getLogger("pimm")
+        self._crc32c = crc32c
+        self._event = Event
+        self._fd: int | None = None
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.path = self._create_file()
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._write(Event(step=purge_step, file_version="brain.Event:2"))
+            self._write(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _create_file(self) -> Path:
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        for attempt in range(1000):
+            path = self.logdir / (stem if attempt == 0 else f"{stem}.{attempt}")
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+                return path
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{self.logdir}: no free event-file name after 1000 tries ({stem}.*)")
+
+    # -- events ---------------------------------------------------------
+    def add_summary(self, summary: Any, step: int) -> None:
+        """Append one ``Summary`` protobuf as the event of ``step``."""
+        self._write(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def add_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """Every ``{tag: value}`` in one event at ``step``."""
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self.add_summary(Summary(value=[Summary.Value(tag=tag, simple_value=float(value))
+                                        for tag, value in scalars.items()]), step)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        """One scalar as its own event."""
+        self.add_scalars({tag: value}, step)
+
+    def add_image(self, tag: str, image: Any, step: int, dataformats: str = "CHW") -> None:
+        """An image (``dataformats`` as TensorBoard's), PNG-encoded by tensorboardX."""
+        from tensorboardX.summary import image as image_summary
+
+        self.add_summary(image_summary(tag, image, dataformats=dataformats), step)
+
+    def add_histogram(self, tag: str, values: Any, step: int, bins: Any = "tensorflow") -> None:
+        """A histogram of ``values`` (tensorboardX's binning)."""
+        from tensorboardX.summary import histogram
+
+        self.add_summary(histogram(tag, values, bins), step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """A text entry (markdown in TensorBoard's text tab)."""
+        from tensorboardX.summary import text as text_summary
+
+        self.add_summary(text_summary(tag, text), step)
+
+    # -- file -----------------------------------------------------------
+    def _write(self, event: Any) -> None:
+        if self._fd is None:
+            return
+        payload = event.SerializeToString()
+        header = struct.pack("<Q", len(payload))
+        record = b"".join((header, struct.pack("<I", self._masked_crc(header)), payload,
+                           struct.pack("<I", self._masked_crc(payload))))
+        try:
+            written = os.write(self._fd, record)
+            if written != len(record):  # a short write on a regular file: the disk filled mid-record
+                raise OSError(28, os.strerror(28))
+        except OSError as err:
+            self._fail(err)
+
+    def _masked_crc(self, data: bytes) -> int:
+        crc = self._crc32c(data) & 0xFFFFFFFF
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    def _fail(self, err: OSError) -> None:
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        self.logger.error(f"TensorBoard: cannot write {self.logdir}: {err}; no more events are written there "
+                          "(metrics.jsonl has every value)")
+
+    def sync(self) -> None:
+        """fsync the event file (at checkpoints and at close)."""
+        if self._fd is not None:
+            try:
+                os.fsync(self._fd)
+            except OSError as err:
+                self._fail(err)
+
+    def close(self) -> None:
+        """fsync and close; later events are dropped."""
+        self.sync()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
