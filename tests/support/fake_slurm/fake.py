@@ -28,6 +28,14 @@ def _state() -> Path:
     return Path(os.environ["FAKE_SLURM_STATE"])
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    # The test polls these files while the controller rewrites them: a plain
+    # write_text truncates first, and a read in between saw an empty state.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _job_dir(job_id: str) -> Path:
     return _state() / "jobs" / str(job_id)
 
@@ -113,8 +121,8 @@ def sbatch(argv: list[str]) -> int:
     job.mkdir()
     (job / "script.sh").write_text(script.read_text())
     (job / "directives.json").write_text(json.dumps(directives))
-    (job / "restart_count").write_text("0")
-    (job / "state").write_text("PENDING")
+    _write_atomic(job / "restart_count", "0")
+    _write_atomic(job / "state", "PENDING")
     subprocess.Popen([sys.executable, __file__, "_controller", job_id], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(f"Submitted batch job {job_id}")
@@ -143,7 +151,7 @@ def _controller(argv: list[str]) -> int:
             env["SLURM_RESTART_COUNT"] = str(restarts)
         out = str(directives.get("output", f"slurm-{job_id}.out")).replace("%j", job_id)
         err = str(directives.get("error", out)).replace("%j", job_id)
-        (job / "state").write_text("RUNNING")
+        _write_atomic(job / "state", "RUNNING")
         log.write(f"{time.time():.3f} attempt {restarts} starts\n")
         with open(out, "a") as stdout, open(err, "a") as stderr:
             shell = subprocess.Popen(["bash", str(job / "script.sh")], stdout=stdout, stderr=stderr, env=env)
@@ -161,9 +169,9 @@ def _controller(argv: list[str]) -> int:
         code = shell.wait()
         log.write(f"{time.time():.3f} attempt {restarts} ends: {outcome or f'exit {code}'}\n")
         if outcome == "requeue":
-            (job / "restart_count").write_text(str(restarts + 1))
+            _write_atomic(job / "restart_count", str(restarts + 1))
             continue
-        (job / "state").write_text("CANCELLED" if outcome == "cancel" else "COMPLETED" if code == 0 else "FAILED")
+        _write_atomic(job / "state", "CANCELLED" if outcome == "cancel" else "COMPLETED" if code == 0 else "FAILED")
         return 0
 
 
