@@ -14,4 +14,5 @@ import os
 import torch
 
 os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile-worker interpreters
 torch.set_num_threads(1)

@@ -74,6 +74,9 @@ def env() -> dict:
     out = dict(os.environ)
     out["PYTHONPATH"] = os.pathsep.join([str(ROOT), out.get("PYTHONPATH", "")])
     out["OMP_NUM_THREADS"] = "1"
+    # torch.compile's inductor otherwise starts a pool of compile-worker interpreters
+    # (one per core), each importing torch: most of a compiled test run's CPU time.
+    out["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     out["WANDB_MODE"] = "offline"
     out.pop("PIMM_DEBUG", None)
     return out
