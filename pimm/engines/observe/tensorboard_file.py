@@ -7,9 +7,10 @@ logging window, and on a small model those wake-ups and GIL hand-overs cost
 about 5 % of the training step (``bench/overhead_services.py``). Here the
 event is framed (TFRecord: length, masked CRC-32C of the length, payload,
 masked CRC-32C of the payload) and appended with one unbuffered ``write``
-call, so it is in the file when the call returns: a killed run's dashboard
-has every window that ``metrics.jsonl`` has. tensorboardX still builds the
-summaries (protobufs, image encoding, histogram bins) and computes the CRC.
+call, so it is in the file when the call returns: a killed run keeps every
+event written before the kill. tensorboardX still builds the summaries
+(protobufs, image encoding, histogram bins) and masks the CRC
+(``record_writer.masked_crc32c``).
 
 The file is created exclusively (``events.out.tfevents.<time>.<host>.<pid>``,
 a counter appended when that name exists), so a resumed run never overwrites
@@ -21,6 +22,7 @@ value).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -43,12 +45,12 @@ class TensorBoardFile:
     """
 
     def __init__(self, logdir: str | Path, purge_step: int | None = None, logger: logging.Logger | None = None):
-        from tensorboardX.crc32c import crc32c
         from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.record_writer import masked_crc32c
 
         self.logdir = Path(logdir)
         self.logger = logger or logging.getLogger("pimm")
-        self._crc32c = crc32c
+        self._masked_crc = masked_crc32c
         self._event = Event
         self._fd: int | None = None
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -114,13 +116,9 @@ class TensorBoardFile:
         try:
             written = os.write(self._fd, record)
             if written != len(record):  # a short write on a regular file: the disk filled mid-record
-                raise OSError(28, os.strerror(28))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as err:
             self._fail(err)
-
-    def _masked_crc(self, data: bytes) -> int:
-        crc = self._crc32c(data) & 0xFFFFFFFF
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
     def _fail(self, err: OSError) -> None:
         fd, self._fd = self._fd, None
@@ -129,17 +127,13 @@ class TensorBoardFile:
         self.logger.error(f"TensorBoard: cannot write {self.logdir}: {err}; no more events are written there "
                           "(metrics.jsonl has every value)")
 
-    def sync(self) -> None:
-        """fsync the event file (at checkpoints and at close)."""
+    def close(self) -> None:
+        """fsync and close; later events are dropped."""
         if self._fd is not None:
             try:
                 os.fsync(self._fd)
             except OSError as err:
                 self._fail(err)
-
-    def close(self) -> None:
-        """fsync and close; later events are dropped."""
-        self.sync()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
