@@ -13,8 +13,8 @@ __all__ = ["MODEL_HINTS", "LOSS_HINTS"]
 
 _SPARSE_UNET = "use SparseUNet (pimm's pure-PyTorch sparse-convolution U-Net, docs/models.md) under DefaultSegmentor"
 _PTV3 = "use PT-v3m2 (or PT-v3m1) under DefaultSegmentorV2 (docs/models.md)"
-_DETECTOR = ("an older version of upstream's Panda detector; pimm builds its successor detector-v5 "
-             "(docs/models.md), or use PointGroupLite / PointGroupAffinity with InsSegTester")
+_DETECTOR = ("an older version of upstream's Panda detector; pimm builds its successors detector-v4 and "
+             "detector-v5 (docs/models.md), or use PointGroupLite / PointGroupAffinity with InsSegTester")
 
 MODEL_HINTS = {
     "DINOEnhancedSegmentor": ("needs per-point DINO image features (dino_coord, dino_feat), which no pimm data set "
@@ -22,7 +22,7 @@ MODEL_HINTS = {
     "LitePT": _PTV3,
     "PG-v1m1": "use PointGroupLite (upstream's PointGroup idea: semantic + centroid offsets, then clustering)",
     "SpUNetNoSkipBase": _SPARSE_UNET,
-    "detector-v3m2": _DETECTOR, "detector-v4": _DETECTOR,
+    "detector-v3m2": _DETECTOR,
 }
 for _name in ("MinkUNet14", "MinkUNet14A", "MinkUNet14B", "MinkUNet14C", "MinkUNet14D", "MinkUNet18", "MinkUNet18A",
               "MinkUNet18B", "MinkUNet18D", "MinkUNet34", "MinkUNet34A", "MinkUNet34B", "MinkUNet34C", "MinkUNet50",

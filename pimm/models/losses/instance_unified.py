@@ -91,6 +91,13 @@ class FastUnifiedInstanceLoss(_QueryInstanceLoss):
     def _component_names(self):
         return tuple(h["name"] for h in self.query_heads)
 
+    def single_layer(self, pred: dict, input_dict: dict, events: list[dict]):
+        loss, components = super().single_layer(pred, input_dict, events)
+        # upstream's unified loss reports no class-term counts (its detectors' outputs have none)
+        components.pop("num_cls_matched", None)
+        components.pop("num_cls_noobj", None)
+        return loss, components
+
     def _extra_terms(self, pred, input_dict, b, counts, event, idx_q, idx_gt, pred_sel, gt_sel) -> dict:
         out = {}
         for head in self.query_heads:
