@@ -10,7 +10,14 @@ over the same data set, batch size and collate, for ``num_workers`` 0 and 2:
 * ``toy``: tests/support/toy.py's in-memory ToyDataset (8 features, a small
   random augmentation), so the loader's own cost dominates;
 * ``rings``: CherenkovRingDataset generated on the fly (the ring example's
-  data), where the per-event simulation dominates.
+  data), where the per-event simulation dominates;
+* ``pilarnet``: PILArNetH5Dataset reading a v3 file of 512 generated LArTPC
+  events (1,000-2,700 points each), batched by the point collate: a file
+  reader's decoding and its per-event checks of what it read;
+* ``lucid``: LUCiDEventSSLDataset reading 2 x 256 events of LUCiD shards
+  written by the ring simulator (hit point clouds, PMTs aggregated).
+
+The two file data sets are written once per run into a temporary folder.
 
 Per-batch time is a whole epoch (``iter()`` to exhaustion) divided by its
 batches, after one untimed warm-up epoch; both loaders keep persistent
@@ -26,14 +33,18 @@ the snapshot interval to CheckpointSaver's ``save_freq`` (1e9 when unset),
 so both an unaligned (default) and an aligned snapshot are shown. Every
 resumed batch is checked against the uninterrupted one.
 
-    python bench/loader_overhead.py [--rounds 3] [--datasets toy rings] [--workers 0 2]
+    python bench/loader_overhead.py [--rounds 3] [--datasets toy rings pilarnet lucid] [--workers 0 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +55,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, default_collate  # noqa: E402
 
+from pimm.datasets.collate import collate_fn as point_collate  # noqa: E402
 from pimm.datasets.rings import CherenkovRingDataset  # noqa: E402
 from pimm.engines.run.data import build_train_loader, shutdown_loader  # noqa: E402
 from pimm.utils.rng import capture_rng_state, restore_rng_state  # noqa: E402
@@ -52,21 +64,62 @@ from tests.support.toy import ToyDataset  # noqa: E402
 SEED = 0
 NEVER = 1_000_000_000  # the trainer's snapshot interval when no step-based save is configured
 
-# name -> (data set factory, batch size). Sizes keep the default run short.
+@functools.lru_cache(maxsize=None)
+def _scratch() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="pimm-loader-bench-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def _pilarnet_file() -> str:
+    from pimm.datasets.lartpc import LArTPCSynthDataset
+    from pimm.datasets.pilarnet import write_pilarnet_h5
+
+    generated = LArTPCSynthDataset(num_events=512, seed=SEED)
+    path = _scratch() / "pilarnet_v3.h5"
+    write_pilarnet_h5((generated[i] for i in range(len(generated))), path, revision="v3")
+    return str(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _lucid_root() -> str:
+    from pimm.datasets.lucid_generator import generate_lucid
+
+    for species in ("electron", "muon"):
+        generate_lucid(_scratch() / "lucid" / species, 256, species, seed=SEED, events_per_file=128)
+    return str(_scratch() / "lucid")
+
+
+def _pilarnet():
+    from pimm.datasets.pilarnet import PILArNetH5Dataset
+
+    return PILArNetH5Dataset(_pilarnet_file(), min_points=0)
+
+
+def _lucid():
+    from pimm.datasets.lucid_ssl import LUCiDEventSSLDataset
+
+    return LUCiDEventSSLDataset(_lucid_root(), ["electron", "muon"], split="all")
+
+
+# name -> (data set factory, batch size, collate). Sizes keep the default run short.
 DATASETS = {
-    "toy": (lambda: ToyDataset(num_samples=64 * 64, noise_aug=0.1), 64),
-    "rings": (lambda: CherenkovRingDataset(num_events=16 * 32, seed=SEED), 32),
+    "toy": (lambda: ToyDataset(num_samples=64 * 64, noise_aug=0.1), 64, default_collate),
+    "rings": (lambda: CherenkovRingDataset(num_events=16 * 32, seed=SEED), 32, default_collate),
+    "pilarnet": (_pilarnet, 16, point_collate),
+    "lucid": (_lucid, 32, point_collate),
 }
 
 
-def pimm_loader(dataset, batch_size: int, workers: int, snapshot_every: int | None = None):
+def pimm_loader(dataset, batch_size: int, workers: int, snapshot_every: int | None = None, collate=default_collate):
     return build_train_loader(dataset, batch_size=batch_size, num_workers=workers, seed=SEED, rank=0, world_size=1,
-                              collate_fn=default_collate, snapshot_every_n_steps=snapshot_every)
+                              collate_fn=collate, snapshot_every_n_steps=snapshot_every)
 
 
-def plain_loader(dataset, batch_size: int, workers: int) -> DataLoader:
+def plain_loader(dataset, batch_size: int, workers: int, collate=default_collate) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                      collate_fn=default_collate, persistent_workers=workers > 0)
+                      collate_fn=collate, persistent_workers=workers > 0)
 
 
 def start_epoch(loader, epoch: int):
@@ -88,9 +141,10 @@ def close(loader) -> None:
 
 
 def compare_throughput(name: str, workers: int, rounds: int) -> float:
-    factory, batch_size = DATASETS[name]
+    factory, batch_size, collate = DATASETS[name]
     dataset = factory()
-    loaders = {"pimm": pimm_loader(dataset, batch_size, workers), "plain": plain_loader(dataset, batch_size, workers)}
+    loaders = {"pimm": pimm_loader(dataset, batch_size, workers, collate=collate),
+               "plain": plain_loader(dataset, batch_size, workers, collate)}
     for loader in loaders.values():  # warm-up epoch: worker start-up, first-touch costs
         epoch_seconds(loader, 0)
     per_batch = {key: [] for key in loaders}
@@ -102,20 +156,21 @@ def compare_throughput(name: str, workers: int, rounds: int) -> float:
         close(loader)
     pimm_ms, plain_ms = statistics.median(per_batch["pimm"]), statistics.median(per_batch["plain"])
     rounds_text = "  ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(per_batch["pimm"], per_batch["plain"]))
-    print(f"{name:5s} workers={workers}  plain {plain_ms:8.3f} ms/batch  pimm {pimm_ms:8.3f} ms/batch  "
+    print(f"{name:8s} workers={workers}  plain {plain_ms:8.3f} ms/batch  pimm {pimm_ms:8.3f} ms/batch  "
           f"ratio {pimm_ms / plain_ms:.3f}   (rounds pimm/plain: {rounds_text})", flush=True)
     return pimm_ms / plain_ms
 
 
 def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                        for k in a)
 
 
 def resume_costs(name: str, workers: int, repeats: int = 3) -> None:
     """state_dict() half-way through epoch 1 and the latency of resuming from it."""
-    factory, batch_size = DATASETS[name]
+    factory, batch_size, collate = DATASETS[name]
     dataset = factory()
-    reference = pimm_loader(dataset, batch_size, workers)
+    reference = pimm_loader(dataset, batch_size, workers, collate=collate)
     iterator = start_epoch(reference, 1)
     expected = [next(iterator)]
     position = len(reference) // 2
@@ -128,7 +183,7 @@ def resume_costs(name: str, workers: int, repeats: int = 3) -> None:
     close(reference)
 
     def first_batch(snapshot_every: int | None, state: dict | None) -> tuple[float, dict]:
-        loader = pimm_loader(dataset, batch_size, workers, snapshot_every)
+        loader = pimm_loader(dataset, batch_size, workers, snapshot_every, collate)
         restore_rng_state(rng_at_position)
         start = time.perf_counter()
         if state is not None:  # as the trainer resumes: restore, then start the epoch
@@ -139,7 +194,7 @@ def resume_costs(name: str, workers: int, repeats: int = 3) -> None:
         return seconds, batch
 
     for label, snapshot_every in (("unaligned snapshot", None), ("aligned snapshot", position)):
-        loader = pimm_loader(dataset, batch_size, workers, snapshot_every)
+        loader = pimm_loader(dataset, batch_size, workers, snapshot_every, collate)
         iterator = start_epoch(loader, 1)
         for _ in range(position):
             next(iterator)
@@ -156,7 +211,7 @@ def resume_costs(name: str, workers: int, repeats: int = 3) -> None:
             assert _same(batch, expected[position]), f"{name} workers={workers}: resumed batch differs"
             resumed.append(seconds)
         fresh_ms, resumed_ms = statistics.median(fresh) * 1e3, statistics.median(resumed) * 1e3
-        print(f"{name:5s} workers={workers}  {label:18s} at batch {position}/{len(reference)}: "
+        print(f"{name:8s} workers={workers}  {label:18s} at batch {position}/{len(reference)}: "
               f"state_dict {statistics.median(costs) * 1e3:7.3f} ms   first batch: fresh {fresh_ms:8.1f} ms, "
               f"after load_state_dict {resumed_ms:8.1f} ms (resume latency +{resumed_ms - fresh_ms:.1f} ms)",
               flush=True)
@@ -172,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.datasets:
-        factory, batch_size = DATASETS[name]
+        factory, batch_size, _ = DATASETS[name]
         print(f"# {name}: {len(factory())} samples, batch {batch_size}")
         for workers in args.workers:
             compare_throughput(name, workers, args.rounds)

@@ -264,7 +264,8 @@ _VIEWS = "data.train.transform.MultiViewGenerator"
     ("model.mask_jitter=nan", "model.mask_jitter=nan is invalid"),
     ("model.teacher_custom.drop_path=2.0", "model.teacher_custom.drop_path=2.0 is invalid: it takes a finite number"),
     ("data.train.transform.7.keys_dict.grid_size=nan", "data.train.transform.Update.keys_dict={'grid_size': nan} is"),
-    ("+model.representation_fusion_channels=64", "it takes None (upstream's representation fusion is not supported"),
+    ("+model.representation_fusion_channels=0", "model.representation_fusion_channels=0 is invalid: it takes an "
+                                                 "integer in [1, 65536] or None"),
     ("hooks.WeightDecayScheduler.warmup_ratio=0", "hooks.WeightDecayScheduler.warmup_ratio=0 is invalid"),
     ("hooks.PretrainEvaluator.every_n_steps=-1", "hooks.PretrainEvaluator.every_n_steps=-1 is invalid"),
     ("+hooks.PretrainEvaluator.train_config=dict(lr=nan)", "hooks.PretrainEvaluator.train_config={'lr': nan} is"),

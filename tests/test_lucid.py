@@ -103,6 +103,7 @@ def test_ssl_dataset_labels_by_config_and_holds_out_a_fixed_disjoint_set(product
     assert len(np.unique(item["sensor_idx"])) == len(item["coord"])
     positions = pmt_positions(_ring_for_lucid())
     assert np.allclose(item["coord"], positions[item["sensor_idx"]])
+    del train  # alive, it would share events with a tail holdout (refused: tests/test_hardening_r6_data.py)
     tail = DATASETS.build(dict(common, split="test", holdout_strategy="tail"))
     assert [tail.get_data_name(i).split("/")[1] for i in range(5)] == [
         f"wc_sensor_0002.h5_evt{e:03d}" for e in range(1, 6)]

@@ -12,6 +12,7 @@ unpickles it, the marker exists.
 
 from __future__ import annotations
 
+import fractions
 import io
 import json
 import pickle
@@ -87,11 +88,12 @@ def finished(tmp_path_factory) -> Path:
 
 
 @HOOK_REGISTRY.register_module(force=True)
-class NumpyStateHook(HookBase):
-    """A user's hook whose state holds a NumPy scalar (not plain data)."""
+class ObjectStateHook(HookBase):
+    """A user's hook whose state holds an object that is not data (NumPy values
+    and deques are kept as data: tests/test_hardening_r6_records.py)."""
 
     def state_dict(self) -> dict:
-        return {"best": np.float64(0.5)}
+        return {"best": fractions.Fraction(1, 2)}
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:
@@ -313,13 +315,13 @@ def test_the_runs_record_never_carries_trust(tmp_path):
 
 def test_a_save_names_a_participant_whose_state_is_not_data(tmp_path, caplog):
     """Found at the save (a warning naming the hook), not at the resume; trust_checkpoint_code then resumes it."""
-    hooks = HOOKS[:-1] + ', dict(type="NumpyStateHook")]'
+    hooks = HOOKS[:-1] + ', dict(type="ObjectStateHook")]'
     with caplog.at_level("WARNING", logger="pimm"):
         inprocess.make_trainer(tmp_path, hooks, epoch=1).train()
     warnings = [r.getMessage() for r in caplog.records if "Checkpoint participant" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once, not at every save
-    assert "'hooks: NumpyStateHook' saves numpy." in warnings[0] and "rank00000.pth" in warnings[0]
-    with pytest.raises(CheckpointError, match="rank00000.pth refused: it refers to numpy"):
+    assert "'hooks: ObjectStateHook' saves fractions.Fraction" in warnings[0] and "rank00000.pth" in warnings[0]
+    with pytest.raises(CheckpointError, match="rank00000.pth refused: it refers to fractions"):
         inprocess.make_trainer(tmp_path, hooks, epoch=2, options=["resume=True"]).train()
     trainer = inprocess.make_trainer(tmp_path, hooks, epoch=2, options=["resume=True", "trust_checkpoint_code=True"])
     trainer.train()

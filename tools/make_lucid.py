@@ -10,8 +10,10 @@ is event i of its segment shard; format in ``pimm/datasets/lucid_readers.py``).
 ``LUCiDEventSSLDataset(data_root=DIR, configs=[...species])`` reads them all,
 labelled by species. Each event is a pure function of (seed, split, species,
 index) (``pimm/datasets/lucid_generator.py``), so productions are reproducible.
-Existing shards are never overwritten unless ``--overwrite`` is given. Bad
-arguments print one ``error: ...`` line and exit with status 2.
+Existing shards are never overwritten unless ``--overwrite`` is given, and
+one run never writes a shard twice; ``--dataset-name`` is a plain file-name
+prefix (no ``/`` or ``..``). Bad arguments print one ``error: ...`` line and
+exit with status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pimm.datasets.lucid_generator import SPECIES, generate_lucid  # noqa: E402
+from pimm.datasets.lucid_generator import SPECIES, check_dataset_name, generate_lucid  # noqa: E402
 from pimm.utils.errors import UserError  # noqa: E402
 
 
@@ -55,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.species if s not in SPECIES]
     if unknown:
         raise UserError(f"--species {unknown[0]!r} is not one of {', '.join(SPECIES)}")
+    repeated = sorted({s for s in args.species if args.species.count(s) > 1})
+    if repeated:
+        raise UserError(f"--species names {repeated[0]!r} twice; each species is written once")
+    try:
+        check_dataset_name(args.dataset_name)
+    except UserError as err:
+        raise UserError(f"--dataset-name: {err}") from None
     if min(args.image_size) < 4 or max(args.image_size) > 4096:
         raise UserError(f"--image-size must be two numbers in [4, 4096], got {' '.join(map(str, args.image_size))}")
     return args

@@ -16,6 +16,13 @@ here build that layout from a list of per-event dicts and are registered in
   unique across the batch and ``num_instances`` is added; ``mix_prob`` mixes
   events as above (instances stay distinct).
 
+* :func:`fallback_collate_fn` -- what a trainer uses for a data set that
+  names no batching (a plain ``torch.utils.data.Dataset``, upstream's
+  ``add_dataset.md`` example) and a config that names none: point events
+  (dicts with ``coord``, ``grid_coord`` or ``feat``) are concatenated by
+  :func:`collate_fn`, as upstream's trainer batches every data set; anything
+  else goes to torch's ``default_collate``.
+
 With ``mix_prob`` set, a trainer whose train collate is the plain
 :func:`collate_fn` (a point data set's default) uses :func:`point_collate_fn`
 in its place (its ``mixing`` attribute).
@@ -51,11 +58,14 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
+from pimm.engines.optim.oom_backoff import split_by_leading_dim
 from pimm.engines.registries import COLLATE_FNS
 from pimm.utils.domains import Prob
 
-__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn", "split_point_batch", "collate_test_items"]
+__all__ = ["collate_fn", "point_collate_fn", "inseg_collate_fn", "fallback_collate_fn", "split_point_batch",
+           "collate_test_items"]
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -285,8 +295,34 @@ def _slice_entry(key, value, points, events, other_offsets) -> torch.Tensor:
                      "of the batch (nor the total of another *offset* entry)")
 
 
+_POINT_KEYS = ("coord", "grid_coord", "feat")
+
+
+def _is_point_batch(batch: Sequence) -> bool:
+    """Point events, multi-view events (``*_offset`` entries) or test items."""
+    first = batch[0] if len(batch) else None
+    return isinstance(first, dict) and any(k in _POINT_KEYS or "offset" in k or k == "fragment_list" for k in first)
+
+
+@COLLATE_FNS.register_module()
+def fallback_collate_fn(batch: Sequence) -> Any:
+    """Point events by :func:`collate_fn`, anything else by torch's
+    ``default_collate`` (see the module doc)."""
+    if _is_point_batch(batch):
+        return collate_fn(batch)
+    return default_collate(batch)
+
+
+def _split_any_batch(batch: dict, parts: int) -> list:
+    """Splits a batch of either kind, for the OOM back-off."""
+    if isinstance(batch, dict) and "offset" in batch:
+        return split_point_batch(batch, parts)
+    return split_by_leading_dim(batch, parts)
+
+
 for _collate in (collate_fn, point_collate_fn, inseg_collate_fn):
     _collate.split_batch = split_point_batch
+fallback_collate_fn.split_batch = _split_any_batch
 # The collate that mixes events in place of the plain one when a config sets
 # mix_prob (the trainer's loader builder reads it; the engine knows no point clouds).
 collate_fn.mixing = point_collate_fn

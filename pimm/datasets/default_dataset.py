@@ -40,6 +40,7 @@ from pimm.utils.domains import MAX_SIZE, FilePath, Int, Key, Keys, PosInt, Trans
 from pimm.utils.errors import ConfigError, UserError
 
 from .collate import collate_fn
+from .event_checks import check_finite, check_labels
 from .fragments import TEST_CFG, build_test_item, fragments_for_test_mode
 
 __all__ = ["DefaultDataset", "VALID_ASSETS", "refuse_test_mode"]
@@ -189,8 +190,19 @@ class DefaultDataset(Dataset):
             if asset in data and data[asset].shape[0] != n:
                 raise UserError(f"DefaultDataset: {path}/{asset}.npy has {data[asset].shape[0]} rows but "
                                 f"coord.npy has {n}; every per-point file needs one row per point")
+        self._check_values(data, path)
         data["name"], data["split"] = self.get_data_name(idx), self.get_split_name(idx)
         return data
+
+    def _check_values(self, data: dict, path: str) -> None:
+        """Finite positions and strengths; labels non-negative or the ignore
+        index (-1, upstream's fill for a missing file, is always allowed)."""
+        for asset in ("coord", "strength"):
+            if asset in data:
+                check_finite(data[asset], f"DefaultDataset: scene {path}, key '{asset}' ({asset}.npy)")
+        for asset in _LABEL_ASSETS:
+            check_labels(data[asset], f"DefaultDataset: scene {path}, key '{asset}' ({asset}.npy)",
+                         allowed=(-1, self.ignore_index))
 
     def __getitem__(self, idx: int) -> dict:
         n = len(self)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -29,11 +30,14 @@ from pimm.utils.errors import UserError
 
 from .rings import ELECTRON_MASS, MUON_MASS, WATER_CRITICAL_ENERGY, WATER_X0, CherenkovRingDataset
 
-__all__ = ["write_lucid_shards", "simulate_lucid_event", "pmt_positions", "generate_lucid", "SPECIES"]
+__all__ = ["write_lucid_shards", "simulate_lucid_event", "pmt_positions", "generate_lucid", "check_dataset_name",
+           "SPECIES"]
 
 #: Species the generator simulates: name -> (category, PDG code, mass MeV/c^2).
 SPECIES = {"electron": (0, 11, ELECTRON_MASS), "muon": (1, 13, MUON_MASS)}
 _SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
+# A shard-file prefix: one plain name, so shards land in their own folder (never "../x" or "a/b").
+_DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SEGMENT_STEP = 10.0  # cm of track per segment
 _SPEED_OF_LIGHT = 29.98  # cm/ns
 
@@ -126,11 +130,20 @@ def _write_shard(sensor_path: Path, seg_path: Path, events: list[dict], position
         os.replace(tmp, path)
 
 
+def check_dataset_name(name: str) -> None:
+    """Refuse a shard prefix that is not one plain name (it would put shards outside their folders)."""
+    if not isinstance(name, str) or not _DATASET_NAME.fullmatch(name) or ".." in name:
+        raise UserError(f"dataset name {name!r} is not a plain file-name prefix: use letters, digits, '_', '-' "
+                        "and '.' (no '/' or '..'), e.g. wc")
+
+
 def write_lucid_shards(events: Iterable[dict], out: str | os.PathLike, positions: np.ndarray,
                        dataset_name: str = "wc", events_per_file: int = 1000, overwrite: bool = False) -> int:
     """Write ``events`` (:func:`simulate_lucid_event`'s dicts) to ``out/sensor/`` and
     ``out/seg/`` as ``<dataset_name>_sensor_NNNN.h5`` / ``_seg_NNNN.h5``; returns the
-    number written. Existing shards are refused unless ``overwrite``."""
+    number written. Existing shards are refused unless ``overwrite``;
+    ``dataset_name`` must be a plain file-name prefix."""
+    check_dataset_name(dataset_name)
     out = Path(out)
     folders = {family: out / family for family in ("sensor", "seg")}
     existing = [p for family, d in folders.items() for p in sorted(d.glob(f"{dataset_name}_{family}_*.h5"))]

@@ -22,7 +22,12 @@ being the same event in both::
 
 Files open lazily in each process (never pickled into DataLoader workers).
 A missing family, a file that is not such a shard, or co-indexed shards of
-different lengths is one :class:`UserError` line naming the file.
+different lengths is one :class:`UserError` line naming the file. So is a
+damaged shard: every offsets array is checked once per file when the data
+set is built (it is not negative, never decreases and ends within the arrays
+it indexes, or events would silently read other events' hits), and each event's
+values once when it is read (sensor indices in range, finite positions,
+charges, times and energies), naming the file, the event and the key.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import h5py
 import numpy as np
 
 from pimm.utils.errors import UserError
+
+from .event_checks import check_finite
 
 __all__ = ["LUCiDSensorReader", "LUCiDSegReader", "find_shards"]
 
@@ -56,11 +63,34 @@ def find_shards(root: str, split: str, dataset_name: str, family: str) -> list[s
                     f"and {loose}.h5); write them with `python tools/make_lucid.py` or fix data_root/split")
 
 
+def check_offsets(path: str, f: h5py.File, key: str, indexed: tuple[str, ...]) -> None:
+    """``f[key]`` cuts the arrays ``indexed`` into consecutive slices: it must
+    not be negative, never decrease and end within every one of them."""
+    offsets = np.asarray(f[key][:], dtype=np.int64)
+    if offsets.size == 0:
+        return
+    if offsets[0] < 0:
+        raise UserError(f"{path}: {key}[0] is {int(offsets[0])}, a negative row; the shard is damaged, "
+                        "regenerate it")
+    falls = np.flatnonzero(np.diff(offsets) < 0)
+    if falls.size:
+        i = int(falls[0])
+        raise UserError(f"{path}: {key} decreases at entry {i} ({int(offsets[i])} -> {int(offsets[i + 1])}), "
+                        f"so event {i} would read other events' rows; the shard is damaged, regenerate it")
+    for name in indexed:
+        if name in f and int(offsets[-1]) > f[name].shape[0]:
+            i = int(np.argmax(offsets > f[name].shape[0])) - 1
+            raise UserError(f"{path}: {key} runs to {int(offsets[-1])} but {name} has {f[name].shape[0]} rows "
+                            f"(first past the end: entry {i}); the shard is damaged, regenerate it")
+
+
 class _ShardReader:
     """Shared part: the file list, per-file event counts, lazy per-process handles."""
 
     family = ""
     required: tuple[str, ...] = ()
+    #: ``(offsets key, keys it indexes)``: CSR arrays checked once per file.
+    offset_keys: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __init__(self, files: list[str]):
         self.h5_files = files
@@ -88,7 +118,9 @@ class _ShardReader:
         return n
 
     def _inspect(self, path: str, f: h5py.File) -> None:
-        pass
+        for key, indexed in self.offset_keys:
+            if key in f:
+                check_offsets(path, f, key, indexed)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -113,6 +145,9 @@ class LUCiDSensorReader(_ShardReader):
 
     family = "sensor"
     required = _SENSOR_KEYS
+    offset_keys = (("event_hit_offsets", ("event_hit_sensor_idx", "event_hit_PE", "event_hit_T")),
+                   ("particle_event_offset", ("particle_category",)),
+                   ("particle_hit_offsets", ("particle_hit_sensor_idx", "particle_hit_PE", "particle_hit_T")))
 
     def __init__(self, files: list[str]):
         self.n_sensors = 0
@@ -120,6 +155,13 @@ class LUCiDSensorReader(_ShardReader):
         super().__init__(files)
 
     def _inspect(self, path: str, f: h5py.File) -> None:
+        super()._inspect(path, f)
+        if "particle_event_offset" in f and "particle_hit_offsets" in f:  # one hit-offset entry per particle, + 1
+            particles = int(f["particle_event_offset"][-1]) if f["particle_event_offset"].shape[0] else 0
+            if particles + 1 > f["particle_hit_offsets"].shape[0]:
+                raise UserError(f"{path}: particle_event_offset names {particles} particles but "
+                                f"particle_hit_offsets has {f['particle_hit_offsets'].shape[0]} entries (needs one "
+                                "more than the particles); the shard is damaged, regenerate it")
         n_sensors = int(f.attrs.get("n_sensors", 0))
         if n_sensors <= 0:
             raise UserError(f"{path}: the n_sensors attribute is missing or 0; a LUCiD sensor shard records "
@@ -133,17 +175,27 @@ class LUCiDSensorReader(_ShardReader):
             if positions.shape != (n_sensors, 3):
                 raise UserError(f"{path}: config/pmt_positions has shape {positions.shape}, expected "
                                 f"({n_sensors}, 3)")
+            check_finite(positions, f"{path}: config/pmt_positions")
             self.pmt_positions = positions
+
+    def _sensors(self, sensor: np.ndarray, file_id: int, event: int, key: str) -> np.ndarray:
+        bad = np.flatnonzero((sensor < 0) | (sensor >= self.n_sensors))
+        if bad.size:
+            raise UserError(f"{self.h5_files[file_id]}, event {event}: {key} names sensor {int(sensor[bad[0]])} "
+                            f"but the detector's sensors are 0..{self.n_sensors - 1}; the shard is damaged")
+        return sensor
 
     def hits(self, file_id: int, event: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sensor index int64, PE float32, time float32) of every hit of the event."""
         f = self.file(file_id)
         h0, h1 = (int(v) for v in f["event_hit_offsets"][event:event + 2])
-        sensor = f["event_hit_sensor_idx"][h0:h1].astype(np.int64)
-        if sensor.size and (sensor.min() < 0 or sensor.max() >= self.n_sensors):
-            raise UserError(f"{self.h5_files[file_id]}, event {event}: a hit names sensor {int(sensor.max())} "
-                            f"but the detector has {self.n_sensors}; the shard is damaged")
-        return sensor, f["event_hit_PE"][h0:h1].astype(np.float32), f["event_hit_T"][h0:h1].astype(np.float32)
+        sensor = self._sensors(f["event_hit_sensor_idx"][h0:h1].astype(np.int64), file_id, event,
+                               "event_hit_sensor_idx")
+        pe, t = f["event_hit_PE"][h0:h1].astype(np.float32), f["event_hit_T"][h0:h1].astype(np.float32)
+        where = f"{self.h5_files[file_id]}, event {event}"
+        check_finite(pe, f"{where}: event_hit_PE")
+        check_finite(t, f"{where}: event_hit_T")
+        return sensor, pe, t
 
     def read_event(self, file_id: int, event: int, include_labels: bool = True, pe_threshold: float = 0.0) -> dict:
         """Upstream's reader output: ``pmt_pe``/``pmt_t`` (n_sensors,) -- summed PE and
@@ -165,12 +217,16 @@ class LUCiDSensorReader(_ShardReader):
                 per_particle = np.diff(offsets)
                 lo, hi = int(offsets[0]), int(offsets[-1])
                 pp = dict(
-                    pp_sensor_idx=f["particle_hit_sensor_idx"][lo:hi].astype(np.int32),
+                    pp_sensor_idx=self._sensors(f["particle_hit_sensor_idx"][lo:hi].astype(np.int32), file_id,
+                                                event, "particle_hit_sensor_idx"),
                     pp_particle_idx=np.repeat(np.arange(p1 - p0, dtype=np.int32), per_particle),
                     pp_pe=f["particle_hit_PE"][lo:hi].astype(np.float32),
                     pp_t=f["particle_hit_T"][lo:hi].astype(np.float32),
                     pp_category=np.repeat(f["particle_category"][p0:p1].astype(np.int32), per_particle),
                 )
+                where = f"{self.h5_files[file_id]}, event {event}"
+                check_finite(pp["pp_pe"], f"{where}: particle_hit_PE")
+                check_finite(pp["pp_t"], f"{where}: particle_hit_T")
                 if pe_threshold > 0:
                     keep = pp["pp_pe"] > pe_threshold
                     pp = {k: v[keep] for k, v in pp.items()}
@@ -183,6 +239,16 @@ class LUCiDSegReader(_ShardReader):
 
     family = "seg"
     required = _SEG_KEYS
+    offset_keys = (("track_event_offset", ("track_id", "pdg", "parent_id")),
+                   ("segment_offset", ("start_x", "start_y", "start_z", "end_x", "end_y", "end_z", "edep", "time")))
+
+    def _inspect(self, path: str, f: h5py.File) -> None:
+        super()._inspect(path, f)
+        tracks = int(f["track_event_offset"][-1]) if f["track_event_offset"].shape[0] else 0
+        if tracks + 1 > f["segment_offset"].shape[0]:
+            raise UserError(f"{path}: track_event_offset names {tracks} tracks but segment_offset has "
+                            f"{f['segment_offset'].shape[0]} entries (needs one more than the tracks); the shard "
+                            "is damaged, regenerate it")
 
     def segment_counts(self, file_id: int) -> np.ndarray:
         """Number of segments of every event of a file (for ``min_segments``)."""
@@ -199,12 +265,17 @@ class LUCiDSegReader(_ShardReader):
         offsets = f["segment_offset"][t0:t1 + 1].astype(np.int64) if t1 > t0 else np.zeros(1, np.int64)
         s0, s1 = int(offsets[0]), int(offsets[-1])
         per_track = np.diff(offsets)
-        start = np.stack([f[k][s0:s1] for k in ("start_x", "start_y", "start_z")], axis=1)
-        end = np.stack([f[k][s0:s1] for k in ("end_x", "end_y", "end_z")], axis=1)
+        where = f"{self.h5_files[file_id]}, event {event}"
+        columns = {k: f[k][s0:s1] for k in ("start_x", "start_y", "start_z", "end_x", "end_y", "end_z", "edep",
+                                            "time")}
+        for key, values in columns.items():
+            check_finite(values, f"{where}: {key}")
+        start = np.stack([columns[k] for k in ("start_x", "start_y", "start_z")], axis=1)
+        end = np.stack([columns[k] for k in ("end_x", "end_y", "end_z")], axis=1)
         return dict(
             coord=((start + end) / 2).astype(np.float32).reshape(-1, 3),
-            energy=f["edep"][s0:s1].astype(np.float32)[:, None],
-            time=f["time"][s0:s1].astype(np.float32)[:, None],
+            energy=columns["edep"].astype(np.float32)[:, None],
+            time=columns["time"].astype(np.float32)[:, None],
             track_ids=np.repeat(f["track_id"][t0:t1].astype(np.int32), per_track),
             pdg=np.repeat(f["pdg"][t0:t1].astype(np.int32), per_track),
             parent_ids=np.repeat(f["parent_id"][t0:t1].astype(np.int32), per_track),

@@ -8,6 +8,11 @@ position in ``configs`` unless given). Every config keeps a deterministic
 holdout (``holdout_events_per_config`` or ``holdout_fraction`` of its events,
 drawn with ``holdout_strategy``): ``split="train"`` reads the rest,
 ``"holdout"``/``"val"``/``"test"`` the holdout, ``"all"`` everything.
+A training set and a held-out set read in one process (a run's
+``data.train`` and ``data.val``) must not share an event: when their holdout
+arguments differ so that they would (5 vs 10 held-out events: the training
+set reads 5 of the validation events), the second one built is refused in
+one line naming both.
 
 An item: ``coord`` (H, 3) the hit PMTs' positions, ``energy`` / ``time``
 (H, 1), ``sensor_idx`` (H,), ``event_label`` and ``config_id`` (1,),
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any, Sequence
 
@@ -42,6 +48,11 @@ __all__ = ["LUCiDEventSSLDataset"]
 logger = logging.getLogger(__name__)
 
 _SPLITS = ("train", "holdout", "val", "test", "all")
+_HELD = ("holdout", "val", "test")
+# The data sets alive in this process, so a training set and a held-out set
+# of the same shards that would share events are refused (weak: a data set
+# no longer used takes no part).
+_LIVE: "weakref.WeakSet[LUCiDEventSSLDataset]" = weakref.WeakSet()
 _TIME_AGGREGATIONS = ("earliest", "pe_weighted", "mean", "first")
 
 
@@ -115,6 +126,7 @@ class LUCiDEventSSLDataset(Dataset):
             raise UserError(f"LUCiDEventSSLDataset: split {split!r} keeps no event of "
                             f"{', '.join(s['name'] for s in self.config_specs)} (holdout_events_per_config="
                             f"{holdout_events_per_config}, min_points={min_points}); change the holdout or split")
+        self._refuse_overlap()
         logger.info("LUCiDEventSSLDataset: %d events x loop %d, split=%s, configs=%s", len(self.data_list),
                     self.loop, split, [s["name"] for s in self.config_specs])
 
@@ -187,6 +199,32 @@ class LUCiDEventSSLDataset(Dataset):
                 selected = selected[: self.max_events_per_config]
             data_list += [(position, event) for event in selected]
         return data_list
+
+    def _event_keys(self) -> dict[tuple, int]:
+        """Each event read, as (its config's shards, its index there) -> its position in this data set."""
+        shards = [tuple(os.path.realpath(p) for p in source.sensor_reader.h5_files) for source in self.datasets]
+        return {(shards[position], event): i for i, (position, event) in enumerate(self.data_list)}
+
+    def _holdout_text(self) -> str:
+        rule = (f"holdout_events_per_config={self.holdout_events_per_config}"
+                if self.holdout_events_per_config is not None else f"holdout_fraction={self.holdout_fraction}")
+        return f"{rule}, holdout_strategy={self.holdout_strategy!r}, holdout_seed={self.holdout_seed}"
+
+    def _refuse_overlap(self) -> None:
+        if self.split in _HELD or self.split == "train":
+            mine = self._event_keys()
+            counterpart = _HELD if self.split == "train" else ("train",)
+            for other in list(_LIVE):
+                if other.split not in counterpart:
+                    continue
+                shared = mine.keys() & other._event_keys().keys()
+                if shared:
+                    raise ConfigError(
+                        f"LUCiDEventSSLDataset: split {self.split!r} ({self._holdout_text()}) and split "
+                        f"{other.split!r} ({other._holdout_text()}) share {len(shared)} event(s), e.g. "
+                        f"{self.get_data_name(mine[min(shared)])}: training would see held-out events; give both "
+                        "the same holdout_* arguments")
+        _LIVE.add(self)
 
     def _point_count(self, source: LUCiDDataset, event: int) -> int:
         sensor = source.sensor_reader.hits(*source.locate(event))[0]

@@ -24,12 +24,14 @@ from typing import Sequence
 import numpy as np
 
 from pimm.engines.registries import TRANSFORMS
-from pimm.utils.domains import Choice, DictOf, Int, Key, Names, Pair, PosInt, Prob, Real, Registered, Rule, Transforms
+from pimm.utils.domains import (Choice, DictOf, Int, Key, Keys, Names, Pair, PosInt, Prob, Real, Registered, Rule,
+                                Transforms)
 from pimm.utils.errors import UserError
 
 from .point_dict import _keys
 from .neighbours import knn
 from .transform_args import check_args, need
+from .multiview import CENTER_HEIGHT_RULE, CENTER_HEIGHT_SCALE, major_centre_candidates
 from .transforms import Compose
 
 __all__ = ["ContrastiveViewsGenerator", "MixedScaleGeometryMultiViewGenerator"]
@@ -100,12 +102,13 @@ class MixedScaleGeometryMultiViewGenerator:
                    global_shared_transform=Transforms | Registered("transform"),
                    global_transform=Transforms | Registered("transform"),
                    local_transform=Transforms | Registered("transform"), max_size=PosInt,
-                   center_height_scale=Pair(Prob), view_keys=Key | Names, center_sampling=Choice("random"),
+                   center_height_scale=CENTER_HEIGHT_SCALE, view_keys=Key | Names, center_sampling=Choice("random"),
                    center_sampling_kwargs=DictOf() | None, anchor_bias_ratio=Prob,
-                   anchor_radius_scale=Real(0, 1e3), anchor_keys=Key | Names)
+                   anchor_radius_scale=Real(0, 1e3), anchor_keys=Key | Keys)
     domain_rules = (Rule(lambda a: a.fine_local_view_num <= a.local_view_num, "fine_local_view_num",
                          "at most local_view_num fine crops"),
-                    Rule(lambda a: "coord" in _keys(a.view_keys), "view_keys", "a list of keys including 'coord'"))
+                    Rule(lambda a: "coord" in _keys(a.view_keys), "view_keys", "a list of keys including 'coord'"),
+                    CENTER_HEIGHT_RULE)
 
     def __init__(self, fine_local_view_num: int = 3, fine_local_view_scale: Sequence[float] = (0.01, 0.04),
                  fine_center_mode: str = "geometry", fine_center_top_frac: float = 0.05, fine_center_k: int = 24,
@@ -161,11 +164,8 @@ class MixedScaleGeometryMultiViewGenerator:
         if len(coord) == 0:
             raise UserError(f"{owner}: an event has no points; filter empty events (min_points)")
         shared = self.global_shared_transform(copy.deepcopy(data))
-        z = coord[:, 2]
-        low = z.min() + (z.max() - z.min()) * self.height[0]
-        high = z.min() + (z.max() - z.min()) * self.height[1]
-        major, major_index = self._crop(shared, coord[np.random.choice(np.flatnonzero((z >= low) & (z <= high)))],
-                                        self.global_scale)
+        candidates = major_centre_candidates(coord, self.height, owner)
+        major, major_index = self._crop(shared, coord[np.random.choice(candidates)], self.global_scale)
         globals_ = [major]
         for _ in range(self.global_num - 1):
             if self.shared_global_view:

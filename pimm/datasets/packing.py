@@ -63,6 +63,14 @@ class Collect:
 
     domains = dict(keys=Key | Keys, offset_keys_dict=DictOf(Key, Key) | None, feat_keys=Key | Keys)
 
+    @classmethod
+    def collected_keys(cls, args: dict) -> set[str]:
+        """The keys of every event this config hands on, read from the config
+        alone (a model checks the batch keys it trains on against them)."""
+        offsets = {"offset": "coord"} if args.get("offset_keys_dict") is None else args["offset_keys_dict"]
+        groups = {name[: -len("_keys")] for name, group in args.items() if name.endswith("_keys") and _keys(group)}
+        return set(_keys(args.get("keys", ()))) | set(offsets) | groups
+
     def __init__(self, keys: Sequence[str] | str, offset_keys_dict: dict | None = None, **kwargs):
         self.keys = _keys(keys)
         self.offset_keys = {"offset": "coord"} if offset_keys_dict is None else dict(offset_keys_dict)

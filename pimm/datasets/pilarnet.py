@@ -37,9 +37,10 @@ import numpy as np
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
 
+from .event_checks import check_finite, check_labels
 from .overlay import EventOverlay, OverlaidItems
 from .pilarnet_truth import cluster_truth, truth_rows
-from .point_dataset import SPLITS, PointDataset
+from .point_dataset import SEGMENT_CLASSES, SPLITS, PointDataset
 from pimm.utils.domains import (
     Choice, Count, FilePath, Int, Key, Keys, MAX_SIZE, NonNeg, PosInt, Prob, Seq, Transforms,
 )
@@ -271,16 +272,22 @@ class PILArNetH5Dataset(OverlaidItems, PointDataset):
         data = decode_event(np.asarray(f["point"][event]), np.asarray(f["cluster"][event]), extra, revision,
                             where=f"{path}, event {event}", energy_threshold=self.energy_threshold,
                             remove_low_energy_scatters=self.remove_low_energy_scatters,
-                            old_pid_mapping=self.old_pid_mapping)
+                            old_pid_mapping=self.old_pid_mapping, ignore_index=self.ignore_index)
         data.update(name=f"{os.path.basename(path)}_{event}", split=self.split, revision=revision)
         return data
 
 
 def decode_event(point: np.ndarray, cluster: np.ndarray, extra: np.ndarray | None, revision: str, *,
                  where: str = "event", energy_threshold: float = 0.0, remove_low_energy_scatters: bool = False,
-                 old_pid_mapping: bool = False) -> dict:
+                 old_pid_mapping: bool = False, ignore_index: int = -1) -> dict:
     """One event's flat ``point`` / ``cluster`` / ``cluster_extra`` rows ->
-    the per-point dict described in :class:`PILArNetH5Dataset`."""
+    the per-point dict described in :class:`PILArNetH5Dataset`.
+
+    What is read is checked (:mod:`pimm.datasets.event_checks`): finite
+    coordinates and voxel values, semantic types in ``0..4`` or
+    ``ignore_index``; a bad value is one error line naming ``where`` and the
+    key. An event without points is a well-defined empty event (every key
+    with 0 rows), as a v1 one always was; ``min_points`` leaves such events out."""
     width = _CLUSTER_WIDTH[revision]
     if point.size % len(POINT_COLUMNS) or cluster.size % width:
         raise UserError(f"{where}: 'point' must hold rows of {len(POINT_COLUMNS)} values and 'cluster' rows of "
@@ -309,9 +316,14 @@ def decode_event(point: np.ndarray, cluster: np.ndarray, extra: np.ndarray | Non
         truth = {k: v[1:] for k, v in truth.items()}
         sizes = cluster[:, 0]
     semantic, group, interaction = (np.repeat(cluster[:, c], sizes) for c in (4, 2, 3))
+    coord, energy = point[:, :3].astype(np.float32), point[:, 3:4].astype(np.float32)
+    check_finite(coord, f"{where}, key 'coord' (point columns x, y, z)")
+    check_finite(energy, f"{where}, key 'energy' (point column value)")
+    check_labels(semantic, f"{where}, key 'segment' (cluster column semantic type)", len(SEGMENT_CLASSES),
+                 (ignore_index,))
     data = dict(
-        coord=point[:, :3].astype(np.float32),
-        energy=point[:, 3:4].astype(np.float32),
+        coord=coord,
+        energy=energy,
         segment=semantic,
         segment_motif=semantic.copy(),
         segment_pid=np.repeat(pid, sizes),

@@ -114,7 +114,7 @@ class PILArNetParquetDataset(OverlaidItems, PointDataset):
                             f"(min_points={min_points}, max_len={max_len}); lower min_points or check data_root")
         self._options = dict(energy_threshold=float(energy_threshold),
                              remove_low_energy_scatters=bool(remove_low_energy_scatters),
-                             old_pid_mapping=bool(old_pid_mapping))
+                             old_pid_mapping=bool(old_pid_mapping), ignore_index=int(ignore_index))
         self._tables = _Tables(self.files)
         logger.info("PILArNetParquetDataset %s: %d of %d events in %d file(s) x loop %d", split, len(self.index),
                     total, len(self.files), loop)
@@ -179,7 +179,7 @@ class PILArNetParquetIterableDataset(IterableDataset):
             self.transform = Compose(transform)
         self._options = dict(energy_threshold=float(energy_threshold),
                              remove_low_energy_scatters=bool(remove_low_energy_scatters),
-                             old_pid_mapping=bool(old_pid_mapping))
+                             old_pid_mapping=bool(old_pid_mapping), ignore_index=int(ignore_index))
         self._tables = _Tables(self.files)
         # The stream's resumable state: the epoch being read and how many of
         # this block's events were handed out. ``_fresh``: the next __iter__

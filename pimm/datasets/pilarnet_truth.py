@@ -26,7 +26,7 @@ def cluster_truth(extra: np.ndarray | None, n_clusters: int, revision: str) -> d
     """Per-cluster ``momentum`` (k,), ``momentum_vec`` (k, 3) and ``vertex``
     (k, 3) of one event's ``cluster_extra`` (v1: momentum and vertex 0, as
     upstream, direction missing)."""
-    if revision == "v1" or extra is None:
+    if revision == "v1" or extra is None or n_clusters == 0:  # v1, or an event without points
         zeros = np.zeros(n_clusters, np.float32)
         return dict(momentum=zeros, vertex=np.zeros((n_clusters, 3), np.float32),
                     momentum_vec=np.full((n_clusters, 3), _MISSING, np.float32))

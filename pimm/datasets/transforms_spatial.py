@@ -283,9 +283,14 @@ class ElasticDistortion:
     grid of spacing ``granularity`` covering the event is blurred (a 3-cell
     box filter, twice per axis) and interpolated at each point, and
     ``magnitude`` times it is added to the point. Only ``coord`` moves: the
-    warp is not rigid, so no target is carried with it (as upstream)."""
+    warp is not rigid, so no target is carried with it (as upstream).
+    A magnitude of 0 draws the noise but leaves the points where they are,
+    and ``[]`` warps nothing, both as upstream; a granularity must be positive."""
 
-    domains = dict(distortion_params=Seq(Seq(Length, length=2), min_len=1) | None)
+    domains = dict(distortion_params=Seq(Seq(NonNeg, length=2)) | None)
+    domain_rules = (Rule(lambda a: a.distortion_params is None or all(
+        Length.accepts(g) for g, _ in a.distortion_params), "distortion_params",
+        "a list of [granularity, magnitude] pairs, granularity > 0 and magnitude >= 0"),)
 
     def __init__(self, distortion_params: Sequence[Sequence[float]] | None = None):
         check_args(self, distortion_params=distortion_params)

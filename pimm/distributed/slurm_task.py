@@ -61,6 +61,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pimm.utils.redaction import redact_command, redact_secrets
+
 __all__ = ["NodeTask", "Rendezvous", "torchrun_command", "master_port", "append_record", "child_pids",
            "SUBMISSIONS_FILE"]
 
@@ -76,9 +78,12 @@ def master_port(job_id: str | int) -> int:
 
 
 def append_record(save_path: str | Path, record: dict) -> None:
-    """One line in ``save_path/slurm/submissions.jsonl`` (what only the launcher knows)."""
+    """One line in ``save_path/slurm/submissions.jsonl`` (what only the launcher knows;
+    secrets in its command lines redacted, :mod:`pimm.utils.redaction`)."""
     path = Path(save_path) / "slurm" / SUBMISSIONS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    record = {key: redact_command(value) if key == "command" and isinstance(value, list) else redact_secrets(value)
+              for key, value in record.items()}
     with open(path, "a") as fh:
         fh.write(json.dumps(dict(record, time=round(time.time(), 3))) + "\n")
 

@@ -66,17 +66,20 @@ def exit_code_of(worker_codes: list[int]) -> int:
     return EXIT_FAILURE
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run torchrun with ``argv`` (its own arguments); return pimm's exit code (0, 75, 130, 1; 2 bad usage)."""
+def main(argv: list[str] | None = None, prog: str = "pimm torchrun") -> int:
+    """Run torchrun with ``argv`` (its own arguments); return pimm's exit code (0, 75, 130, 1; 2 bad usage).
+    ``prog``: the command named in ``--help`` and usage errors (torch's parser would name ``sys.argv[0]``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import get_args_parser, run
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a.split("=", 1)[0] in ("--signals_to_handle", "--signals-to-handle") for a in argv):
         print("error: pimm torchrun sets --signals_to_handle itself (it forwards the pre-emption signals and "
               "Ctrl-C to the workers); drop the option", file=sys.stderr)
         return EXIT_USAGE
-    args = parse_args(["--signals_to_handle=SIGQUIT", *argv])
+    parser = get_args_parser()
+    parser.prog = prog
+    args = parser.parse_args(["--signals_to_handle=SIGQUIT", *argv])
     previous = {}
     for name in FORWARDED:
         if hasattr(signal, name):

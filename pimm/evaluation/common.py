@@ -18,15 +18,23 @@ a wrong config fails while it is being built)::
         def __init__(self, num_classes=None, class_names=None, ignore_index=None, ...):
             self.num_classes, self.class_names = check_classes("MyEvaluator", num_classes, class_names)
             self.ignore_index = ignore_index  # None: data.ignore_index, else -1
+
+Such an evaluator scores the model's logits, so once its classes are known
+they are checked against the classes the model predicts (the model class's
+``output_classes``, see :func:`check_model_classes`): a 3-way head scored as
+2 classes is one line at start-up, not a run that trains without a word. An
+evaluator that scores something else (a probe of its own) sets
+``scores_model_classes = False``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+from pimm.utils.config_domains import ask_class
 from pimm.utils.errors import ConfigError
 
-__all__ = ["ClassesFromData", "check_classes", "resolve_class_names", "DEFAULT_IGNORE_INDEX"]
+__all__ = ["ClassesFromData", "check_classes", "check_model_classes", "resolve_class_names", "DEFAULT_IGNORE_INDEX"]
 
 #: The ignore label when neither the evaluator nor ``data.ignore_index`` sets one.
 DEFAULT_IGNORE_INDEX = -1
@@ -79,6 +87,19 @@ def _data_get(data: Any, key: str) -> Any:
     return data.get(key) if isinstance(data, dict) else None
 
 
+def check_model_classes(owner: str, num_classes: int, source: str, model_cfg: Any) -> None:
+    """Refuse a model whose logits have another number of columns than the
+    ``num_classes`` the evaluator ``owner`` scores (``source`` says where that
+    number came from). The model's class declares its count
+    (``output_classes``); a model that declares none is not checked."""
+    predicted = ask_class(model_cfg, "model", "output_classes")
+    if isinstance(predicted, int) and not isinstance(predicted, bool) and predicted != num_classes:
+        kind = model_cfg.get("type") if isinstance(model_cfg, dict) else None
+        name = kind if isinstance(kind, str) else getattr(kind, "__name__", "the model")
+        raise ConfigError(f"{owner} scores {num_classes} classes ({source}) but the model {name} predicts "
+                          f"{predicted}: give the model and the evaluator the same number of classes")
+
+
 class ClassesFromData:
     """Evaluator mixin: fill ``num_classes``, ``class_names`` and
     ``ignore_index`` left ``None`` from ``cfg.data`` (see the module doc).
@@ -91,10 +112,16 @@ class ClassesFromData:
     num_classes: int | None = None
     class_names: list[str] | None = None
     ignore_index: int | None = None
+    #: Whether ``num_classes`` counts the columns of the model's logits (False: a probe's own classes).
+    scores_model_classes = True
+    #: Where ``num_classes`` came from, for messages (set by :meth:`resolve_classes`).
+    classes_source = "its num_classes"
 
     def modify_config(self, cfg) -> None:
         super().modify_config(cfg)
         self.resolve_classes(cfg.get("data"))
+        if self.scores_model_classes:
+            check_model_classes(type(self).__name__, self.num_classes, self.classes_source, cfg.get("model"))
 
     def resolve_classes(self, data: Any) -> None:
         owner = type(self).__name__
@@ -104,8 +131,10 @@ class ClassesFromData:
             data_classes = _check_num_classes(owner, data_classes, source="data.num_classes")
         if data_names is not None:
             data_names = _check_names(owner, data_names, data_classes or len(data_names), source="data.names")
+        self.classes_source = f"its num_classes={self.num_classes}"
         if self.num_classes is None:
             self.num_classes = data_classes or (len(data_names) if data_names else None)
+            self.classes_source = f"data.num_classes={data_classes}" if data_classes else "data.names"
         if self.num_classes is None:
             raise ConfigError(f"{owner} does not know the number of classes: give it num_classes=K "
                               "or set data.num_classes (and data.names) in the config")

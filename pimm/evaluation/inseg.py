@@ -28,6 +28,7 @@ import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
+from pimm.evaluation.common import check_model_classes
 from pimm.evaluation.metrics import adjusted_rand_index, match_instances, match_instances_per_class
 from pimm.evaluation.semseg import format_score, resolve_class_names
 from pimm.evaluation.voting import FragmentVoting
@@ -107,6 +108,12 @@ class InsSegEvaluator(FragmentVoting, EvaluatorBase):
         self._ari_sum = self._ari_events = self._counts = self._class_counts = self._classed_events = None
 
     logits_required = False  # the semantic logits are optional here
+
+    def modify_config(self, cfg) -> None:
+        super().modify_config(cfg)
+        if self.logits_key is not None:  # the per-class counts read the model's logits
+            check_model_classes(type(self).__name__, self.num_classes, f"its num_classes={self.num_classes}",
+                                cfg.get("model"))
 
     def vote_keys(self) -> tuple[str | None, str | None]:
         return self.logits_key, self.pred_key

@@ -34,6 +34,7 @@ import torch
 
 from pimm.engines.hooks.evaluator import EvaluatorBase
 from pimm.engines.registries import HOOKS
+from pimm.utils.config_domains import ask_class
 from pimm.utils.domains import Choice, Count, Domain, Key, Names, Prob, Seq, Text
 from pimm.utils.errors import ConfigError
 
@@ -112,6 +113,29 @@ class InstanceSegmentationEvaluator(EvaluatorBase):
 
     def _key(self, label: str, name: str) -> str:
         return f"{label}/{name}" if self.label_in_key else name
+
+    def modify_config(self, cfg) -> None:
+        """The labels and class names against the model's labels, before anything is built."""
+        super().modify_config(cfg)
+        classes = ask_class(cfg.get("model"), "model", "label_classes")
+        if not classes:  # not a detector that declares its labels: _specs() says so when it runs
+            return
+        owner = type(self).__name__
+        for key, asked in (("labels", self.labels or ()), ("primary_label", (self.primary_label,))):
+            missing = [label for label in asked if label is not None and label not in classes]
+            if missing:
+                value = list(asked) if key == "labels" else asked[0]
+                raise ConfigError(f"{owner}: {key}={value!r} is invalid: {missing} are not labels of the model "
+                                  f"(model.label_configs has {', '.join(classes)})")
+        # Names given per label are checked; one plain list is upstream's tester form, naming the classes of
+        # the model's eval label whatever other labels it has.
+        per_label = self.class_names_cfg if isinstance(self.class_names_cfg, dict) else {}
+        for label in self.labels or tuple(classes):
+            names = _per_label(per_label, label)
+            if names and isinstance(classes[label], int) and len(names) > classes[label]:
+                raise ConfigError(f"{owner}: class_names for {label!r} has {len(names)} names but the model's label "
+                                  f"{label!r} has num_classes={classes[label]}: give at most one name per class "
+                                  "(classes past the last name, e.g. a stuff class, are not scored)")
 
     # -- what to score ------------------------------------------------------------
     def _specs(self) -> dict:

@@ -4,7 +4,9 @@ validation events, and the two collapse monitors.
 
 * :class:`PretrainEvaluator` -- every ``every_n_steps``: per-point features
   of the teacher backbone (or the model's ``backbone``), every encoder level
-  concatenated back onto the input points, for the first
+  concatenated back onto the input points (a Sonata with representation
+  fusion: its fused features, ``model(batch, return_point=True)``, as
+  upstream), for the first
   ``max_train_events`` validation events (probe training) and the next
   ``max_test_events`` (probe scoring); a linear classifier is fitted on the
   first set and scored on the second: ``val/mIoU``, ``val/mF1``,
@@ -208,6 +210,7 @@ class PretrainEvaluator(ClassesFromData, HookBase):
                    train_config=DictOf(Choice(*_PROBE_OPTIONS), Seq(Registered("loss")) | NonNeg,
                                        what="a dict of criteria (a list of loss dicts) and numbers >= 0 among "
                                             + ", ".join(_PROBE_OPTIONS[1:])) | None)
+    scores_model_classes = False  # the probe has its own head: the data's classes, whatever the model predicts
 
     def __init__(self, label: str = "segment", write_cls_iou: bool = True, every_n_steps: int = 1,
                  max_train_events: int = 250, max_test_events: int = 250, class_names: Sequence[str] | None = None,
@@ -255,10 +258,18 @@ class PretrainEvaluator(ClassesFromData, HookBase):
         raise ConfigError(f"PretrainEvaluator: the model ({type(model).__name__}) has no teacher backbone or "
                           "backbone to probe")
 
+    def encoder(self):
+        """The module to run in eval mode and how it turns a batch into per-point features."""
+        model = self.trainer.model_without_ddp
+        if getattr(model, "representation_fusion_enabled", False):  # the fused features live outside the backbone
+            return model.teacher, lambda inputs: model(inputs, return_point=True)["point"]["feat"]
+        backbone = self.backbone()
+        return backbone, lambda inputs: point_level_features(backbone(inputs))
+
     @torch.no_grad()
     def features(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-event features and labels of the first train+test events of ``data.val``."""
-        backbone, device = self.backbone(), self.trainer.device
+        (backbone, encode), device = self.encoder(), self.trainer.device
         was_training = backbone.training
         backbone.eval()
         feats, labels, wanted = [], [], self.max_train_events + self.max_test_events
@@ -271,7 +282,7 @@ class PretrainEvaluator(ClassesFromData, HookBase):
                 inputs = {k: v for k, v in batch.items() if k in ("feat", "coord", "grid_coord", "offset",
                                                                    "grid_size")}
                 with self.trainer.autocast():
-                    feat = point_level_features(backbone(inputs)).float()
+                    feat = encode(inputs).float()
                 ends = batch["offset"].tolist()
                 for start, end in zip([0] + ends[:-1], ends):
                     feats.append(feat[start:end].cpu())

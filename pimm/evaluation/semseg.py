@@ -83,7 +83,11 @@ class SemSegEvaluator(FragmentVoting, ClassesFromData, EvaluatorBase):
     IoU and F1 for a class absent from target and prediction, accuracy for one
     absent from the target, precision for one never predicted; means skip
     nan), plus ``points`` (per-class target counts) and ``confusion``. The
-    best checkpoint follows ``mIoU``.
+    best checkpoint follows ``mIoU``; after each scheduled or final evaluation
+    of the trained weights it is also published as upstream's evaluators do,
+    in ``trainer.comm_info`` (``current_metric_value``, ``current_metric_name``
+    ``"mIoU"``, ``current_metric_greater_is_better`` True), for hooks written
+    against upstream.
 
     On a ``test_mode`` data set (test fragments) the fragments' class
     probabilities are voted and scored on every original point
@@ -193,6 +197,15 @@ class SemSegEvaluator(FragmentVoting, ClassesFromData, EvaluatorBase):
         metrics["points"] = conf.sum(dim=1).tolist()
         metrics["confusion"] = conf.tolist()
         return metrics
+
+    def after_val(self, metrics: dict, run) -> None:
+        if self not in run.evaluators or run.kind == "on_demand" or not run.of_trained_weights:
+            return
+        value = metrics.get(f"{run.prefix}/{self.metric_name}")
+        if isinstance(value, float) and math.isfinite(value):
+            info = self.trainer.comm_info
+            info["current_metric_value"], info["current_metric_name"] = value, self.metric_name
+            info["current_metric_greater_is_better"] = self.greater_is_better
 
     def report(self, metrics: dict) -> str:
         per_class = metrics.get("per_class", metrics)

@@ -22,9 +22,10 @@ from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
 from .clustering import cluster_instances
-from .losses import build_criteria
+from .losses import CriteriaFitLogits, build_criteria
 from .point_ops import offset2batch, scatter_mean
 from .segmentors import build_backbone
+from pimm.utils.config_domains import answers_with
 from pimm.utils.domains import Count, Int, Length, MAX_SIZE, PosInt, Registered, Seq, Weight
 
 __all__ = ["PointGroupLite", "centroid_offset_loss", "cluster_instances", "instance_centroid_offsets",
@@ -93,6 +94,8 @@ class PointGroupLite(nn.Module):
                    offset_weight=Weight, direction_weight=Weight, agree_radius=Length | Seq(Length, min_len=1),
                    merge_radius=Length | Seq(Length, min_len=1), min_points=PosInt | Seq(PosInt, min_len=1),
                    stuff_classes=Seq(Int(0, MAX_SIZE)), absorb_points=Count)
+    output_classes = answers_with("num_classes")  # the columns of seg_logits
+    domain_rules = (CriteriaFitLogits(),)
 
     def __init__(
         self,
@@ -121,7 +124,7 @@ class PointGroupLite(nn.Module):
         self.backbone, width = build_backbone(backbone, "PointGroupLite")
         self.seg_head = nn.Linear(width, self.num_classes)
         self.offset_head = make_offset_head(width)
-        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)])
+        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)], int(num_classes))
         self.grid_size = float(grid_size)
         self.offset_scale = float(offset_scale)
         self.offset_weight = float(offset_weight)

@@ -41,9 +41,10 @@ from pimm.utils.errors import ConfigError
 
 from .clustering import NEIGHBORS_26, average_linkage, finish_labels, per_class, thing_points, vote_fragments
 from .instance import centroid_offset_loss, instance_centroid_offsets, make_offset_head
-from .losses import build_criteria
+from .losses import CriteriaFitLogits, build_criteria
 from .point_ops import event_grid_coord, neighbor_pairs, offset2batch, voxelize
 from .segmentors import build_backbone
+from pimm.utils.config_domains import answers_with
 from pimm.utils.domains import Int, Length, MAX_SIZE, PosInt, Prob, Registered, Seq, Size, Weight
 
 __all__ = ["PointGroupAffinity", "pair_affinity_logit", "affinity_pair_loss", "sample_partner_pairs"]
@@ -122,6 +123,8 @@ class PointGroupAffinity(nn.Module):
                    affinity_weight=Weight, pairs_per_point=Int(1, 1024), agree_radius=Length | Seq(Length, min_len=1),
                    fragment_affinity=Prob, merge_affinity=Prob, max_linkage_points=Int(1, 10**7), min_points=PosInt,
                    stuff_classes=Seq(Int(0, MAX_SIZE)))
+    output_classes = answers_with("num_classes")  # the columns of seg_logits
+    domain_rules = (CriteriaFitLogits(),)
 
     def __init__(
         self,
@@ -163,7 +166,7 @@ class PointGroupAffinity(nn.Module):
         self.embed_head = nn.Sequential(nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.ReLU(),
                                         nn.Linear(width, max(self.embed_dim, 1)))
         self.log_bandwidth = nn.Parameter(torch.full((self.num_classes,), math.log(vote_bandwidth)))
-        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)])
+        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)], int(num_classes))
         self.grid_size, self.offset_scale = float(grid_size), float(offset_scale)
         self.offset_weight, self.direction_weight = float(offset_weight), float(direction_weight)
         self.affinity_weight, self.pairs_per_point = float(affinity_weight), int(pairs_per_point)

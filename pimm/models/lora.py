@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pimm.engines.registries import MODELS
+from pimm.utils.config_domains import ask_class
 from pimm.utils.domains import Int, Keys, MAX_REAL, Prob, Real, Registered
 from pimm.utils.errors import ConfigError
 import logging
@@ -93,6 +94,11 @@ class LoRAAdapter(nn.Module):
 
     domains = dict(model=Registered("model"), rank=Int(1, 4096), alpha=Real(0, MAX_REAL, lo_open=True),
                    dropout=Prob, target_modules=Keys, trainable_keywords=Keys)
+
+    @classmethod
+    def output_classes(cls, args: dict):
+        """The adapted model's (its outputs pass through unchanged)."""
+        return ask_class(args.get("model"), "model", "output_classes")
 
     def __init__(self, model: dict, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                  target_modules: Sequence[str] = ("attn.qkv", "attn.proj"), trainable_keywords: Sequence[str] = ()):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pimm.engines.registries import MODELS
+from pimm.utils.config_domains import answers_with
 from pimm.utils.domains import MAX_SIZE, Choice, Int, Key, Positive, Real, Seq, Size
 from pimm.utils.errors import UserError
 
@@ -44,6 +45,7 @@ class PMTGridClassifier(nn.Module):
     domains = dict(grid=Seq(Int(1, 4096), length=2), num_classes=Int(2, MAX_SIZE), target_key=Key,
                    time_scale=Positive, width=Size, depth=Int(1, 64), norm=Choice("bn", "gn"),
                    dropout=Real(0, 1, hi_open=True))
+    output_classes = answers_with("num_classes")  # the columns of cls_logits
 
     def __init__(self, grid=(32, 64), num_classes: int = 2, target_key: str = "event_label",
                  time_scale: float = 20.0, width: int = 16, depth: int = 3, norm: str = "bn",

@@ -17,6 +17,7 @@ from torch import nn
 
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import UserError
+from pimm.utils.config_domains import answers_with
 from pimm.utils.domains import Choice, Int, MAX_SIZE, Real, Size
 
 __all__ = ["RingCNN", "ConvNormAct"]
@@ -68,6 +69,7 @@ class RingCNN(nn.Module):
     domains = dict(in_channels=Size, num_classes=Int(1, MAX_SIZE), width=Size, depth=Int(1, 64),
                    stem_stride=Int(1, 16), blocks_per_stage=Int(1, 64), norm=Choice("bn", "gn"),
                    dropout=Real(0, 1, hi_open=True))
+    output_classes = answers_with("num_classes")  # the columns of cls_logits
 
     def __init__(
         self,

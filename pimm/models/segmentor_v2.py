@@ -21,8 +21,8 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
-from .losses import build_criteria
-from pimm.utils.domains import Int, MAX_SIZE, Registered, Seq, Size
+from .losses import CriteriaFitLogits, build_criteria
+from pimm.utils.domains import Int, MAX_SIZE, Registered, Rule, Seq, Size
 
 __all__ = ["DefaultSegmentorV2"]
 
@@ -42,16 +42,26 @@ class DefaultSegmentorV2(nn.Module):
         mlp_head: Linear-ReLU-Dropout-Linear head instead of one Linear.
     """
 
-    domains = dict(num_classes=Int(1, MAX_SIZE), backbone_out_channels=Size, backbone=Registered("model") | None,
+    domains = dict(num_classes=Int(0, MAX_SIZE), backbone_out_channels=Size, backbone=Registered("model") | None,
                    criteria=Seq(Registered("loss")) | None)
+    domain_rules = (Rule(lambda a: a.num_classes > 0 or not a.mlp_head, "num_classes",
+                         "a positive number of classes with mlp_head=True (0, no head, needs mlp_head=False)"),
+                    CriteriaFitLogits(lambda a: a.get("num_classes") or a.get("backbone_out_channels")))
+
+    @classmethod
+    def output_classes(cls, args: dict) -> int:
+        """The columns of ``seg_logits``: what an evaluator of this model must
+        score (num_classes=0: the backbone's features are the logits)."""
+        return args.get("num_classes") or args.get("backbone_out_channels")
 
     def __init__(self, num_classes: int, backbone_out_channels: int, backbone: dict | None = None,
                  criteria: Sequence[dict] | None = None, freeze_backbone: bool = False, mlp_head: bool = False):
         super().__init__()
         if not isinstance(backbone, dict):
             raise ConfigError(f"DefaultSegmentorV2: backbone must be a dict(type=...), got {backbone!r}")
-        if int(num_classes) < 0:
-            raise ConfigError(f"DefaultSegmentorV2: num_classes must be >= 0, got {num_classes}")
+        if int(num_classes) < 0 or (mlp_head and int(num_classes) == 0):
+            raise ConfigError(f"DefaultSegmentorV2: num_classes={num_classes} is invalid: it takes a number of classes "
+                              ">= 1, or 0 (no head: the features are the logits) with mlp_head=False")
         width = int(backbone_out_channels)
         if mlp_head:
             self.seg_head = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(inplace=True), nn.Dropout(p=0.3),
@@ -64,7 +74,8 @@ class DefaultSegmentorV2(nn.Module):
             raise ConfigError(f"DefaultSegmentorV2: backbone_out_channels={width} but the backbone "
                               f"{backbone.get('type')!r} outputs {declared} channels")
         self.num_classes = int(num_classes)
-        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)])
+        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)],
+                                       int(num_classes) or width)
         self.freeze_backbone = bool(freeze_backbone)
         if self.freeze_backbone:
             for p in self.backbone.parameters():

@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from pimm.engines.registries import MODELS
+from pimm.utils.config_domains import answers_with
 from pimm.utils.domains import Int, MAX_SIZE, Registered, Seq, Size
 from pimm.utils.errors import ConfigError
 
-from .losses import build_criteria
+from .losses import CriteriaFitLogits, build_criteria
 from .point_ops import offset2batch, scatter_mean
 from .segmentor_v2 import DefaultSegmentorV2
 
@@ -44,8 +45,8 @@ def _freeze(module: nn.Module) -> None:
         p.requires_grad = False
 
 
-def _criteria(cfgs):
-    return build_criteria(cfgs or [dict(type="CrossEntropyLoss", ignore_index=-1)])
+def _criteria(cfgs, columns: int | None = None):
+    return build_criteria(cfgs or [dict(type="CrossEntropyLoss", ignore_index=-1)], columns)
 
 
 def _loss(criteria, logits, target, offset=None):
@@ -64,6 +65,8 @@ class DefaultClassifier(nn.Module):
 
     domains = dict(backbone=Registered("model"), criteria=Seq(Registered("loss")) | None,
                    num_classes=Int(1, MAX_SIZE), backbone_embed_dim=Size)
+    output_classes = answers_with("num_classes")  # the columns of cls_logits
+    domain_rules = (CriteriaFitLogits(),)
 
     def __init__(self, backbone: dict | None = None, criteria: Sequence[dict] | None = None, num_classes: int = 40,
                  backbone_embed_dim: int = 256):
@@ -73,7 +76,7 @@ class DefaultClassifier(nn.Module):
         if isinstance(declared, int) and declared != int(backbone_embed_dim):
             raise ConfigError(f"DefaultClassifier: backbone_embed_dim={backbone_embed_dim} but the backbone "
                               f"{backbone.get('type')!r} outputs {declared} channels")
-        self.criteria = _criteria(criteria)
+        self.criteria = _criteria(criteria, int(num_classes))
         self.num_classes = int(num_classes)
         self.backbone_embed_dim = int(backbone_embed_dim)
         self.cls_head = nn.Sequential(
@@ -163,6 +166,11 @@ class DefaultInsSegmentor(DefaultSegmentorV2):
     updating)."""
 
     domains = dict(num_classes=Int(0, MAX_SIZE))
+
+    @classmethod
+    def output_classes(cls, args: dict) -> None:
+        """Its logits score instance queries (``query_truth``), not semantic classes: no class evaluator applies."""
+        return None
 
     def __init__(self, num_classes: int, backbone_out_channels: int, backbone: dict | None = None,
                  criteria: Sequence[dict] | None = None, freeze_backbone: bool = False,

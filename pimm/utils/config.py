@@ -22,10 +22,14 @@ from .config_dict import ConfigDict
 from .config_dump import _CONFIG_MODULE, _to_source
 from .config_imports import IMPORTS_KEY, as_names, import_modules
 # The option helpers stay importable from here (``from pimm.utils.config import parse_options``).
-from .config_options import apply_option, merge_options, parse_options, parse_value  # noqa: F401
+from .config_merge import merge_options
+from .config_options import apply_option, parse_options, parse_value  # noqa: F401
+# Upstream's `--options KEY=VALUE` action, for scripts that import it from here.
+from .dict_action import DictAction  # noqa: F401
 from .errors import ConfigError
+from .redaction import redact_secrets
 
-__all__ = ["Config", "ConfigDict", "ConfigError"]
+__all__ = ["Config", "ConfigDict", "ConfigError", "config_file_path"]
 
 
 BASE_KEY = "_base_"
@@ -64,7 +68,7 @@ class Config(ConfigDict):
         upstream's ``hooks_override`` (:mod:`pimm.utils.hooks_override`)."""
         from .hooks_override import apply_hooks_override
 
-        resolved = Path(os.path.expanduser(path)).resolve()
+        resolved = config_file_path(path)
         cfg = cls(_load_file(resolved, None, ()), filename=resolved)
         apply_hooks_override(cfg)
         return cfg
@@ -105,8 +109,9 @@ class Config(ConfigDict):
 
     @property
     def pretty_text(self) -> str:
-        """The config as Python source, for logs (never raises)."""
-        return _to_source(self, strict=False)
+        """The config as Python source, for logs (never raises; secrets redacted:
+        :func:`pimm.utils.redaction.redact_secrets`)."""
+        return _to_source(redact_secrets(self), strict=False)
 
     def dump(self, path: str | os.PathLike | None = None) -> str:
         """Return the config as a Python file that ``Config.fromfile`` loads
@@ -144,20 +149,34 @@ def _load_file(path: Path, included_by: Path | None, chain: tuple[Path, ...]) ->
     return _merge_layer(merged, own)
 
 
+def config_file_path(path: str | os.PathLike) -> Path:
+    """The absolute path of a config file named on the command line or to
+    :meth:`Config.fromfile`: ``pimm://REL`` is a config shipped in the package
+    (as in ``_base_``), anything else a path (``~`` expanded)."""
+    if str(path).startswith(PACKAGE_SCHEME):
+        return _package_config(str(path), f"config file {str(path)!r}")
+    return Path(os.path.expanduser(path)).resolve()
+
+
+def _package_config(name: str, where: str) -> Path:
+    """``pimm://REL``: ``pimm/configs/REL``, found from any directory; a name
+    pimm does not ship is a ConfigError listing those it does."""
+    relative = name[len(PACKAGE_SCHEME):]
+    target = (PACKAGE_CONFIGS / relative).resolve()
+    if not relative or PACKAGE_CONFIGS not in target.parents or not target.is_file():
+        shipped = sorted(f"{PACKAGE_SCHEME}{p.relative_to(PACKAGE_CONFIGS).as_posix()}"
+                         for p in PACKAGE_CONFIGS.rglob("*.py"))
+        raise ConfigError(f"{where}: pimm ships no such config (it ships {', '.join(shipped) or 'none'})")
+    return target
+
+
 def _base_path(base: str, including: Path) -> Path:
     """Where a ``_base_`` entry points: ``pimm://REL`` is a config shipped in the
     package (``pimm/configs/REL``, e.g. ``pimm://_base_/default_runtime.py``),
     found from any directory; any other path is relative to the including file
     (``~`` expanded)."""
     if base.startswith(PACKAGE_SCHEME):
-        relative = base[len(PACKAGE_SCHEME):]
-        target = (PACKAGE_CONFIGS / relative).resolve()
-        if not relative or PACKAGE_CONFIGS not in target.parents or not target.is_file():
-            shipped = sorted(f"{PACKAGE_SCHEME}{p.relative_to(PACKAGE_CONFIGS).as_posix()}"
-                             for p in PACKAGE_CONFIGS.rglob("*.py"))
-            raise ConfigError(f"_base_ {base!r} in {including}: pimm ships no such config (it ships "
-                              f"{', '.join(shipped) or 'none'})")
-        return target
+        return _package_config(base, f"_base_ {base!r} in {including}")
     base_path = Path(os.path.expanduser(base))
     return (base_path if base_path.is_absolute() else including.parent / base_path).resolve()
 

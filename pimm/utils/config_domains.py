@@ -4,7 +4,8 @@ Every ``dict(type=...)`` in the config (at a slot or nested, e.g.
 ``model.backbone`` or a loss in ``model.criteria``) is resolved to its class
 as :mod:`pimm.utils.config_slots` does; each key it sets is checked against
 that class's domain (:mod:`pimm.utils.domains`), then the class's rules run
-on its arguments with the defaults filled in. An options section a class
+on its arguments with the defaults filled in (a ``ConfigRule`` also sees the
+whole config: a model's relation to its data). An options section a class
 declares (``config_sections``: ``model.grpo`` holds ``GRPOObjective``'s
 arguments) is checked the same way. The launcher calls
 :func:`check_config_domains` once the config is complete (file, ``--options``)
@@ -18,11 +19,12 @@ import inspect
 from typing import Any, Callable, Iterator
 
 from .config_slots import BUILDER_ARGS, _classes, slot_registry
-from .domains import Bool, Domain, Int, OneOf, Real, Rule, Text, as_domain, show
+from .domains import Bool, ConfigRule, Domain, Int, OneOf, Real, Rule, Text, as_domain, show
 from .errors import ConfigError
 from .registry import generation, registries
 
-__all__ = ["domains_of", "undeclared", "check_config_domains", "BUILDER_KEY_DOMAINS"]
+__all__ = ["domains_of", "undeclared", "check_config_domains", "arguments_of", "ask_class", "answers_with",
+           "BUILDER_KEY_DOMAINS"]
 
 # Keys the builder takes itself (config_slots.BUILDER_KEYS), with their domains.
 BUILDER_KEY_DOMAINS: dict[str, dict[str, Domain]] = {
@@ -120,7 +122,32 @@ def _children(node: Any, shown: str) -> Iterator[tuple[str, str, Any]]:
             yield str(i), f"{shown}.{_label(child, i, items)}" if shown else str(i), child
 
 
-def _check_arguments(cls: Callable, node: dict, shown: str, registry: str | None) -> None:
+def arguments_of(cls: Callable, node: dict) -> dict:
+    """The arguments ``cls`` is built with from the config dict ``node``: its
+    keys (``type`` aside) over the constructor's defaults."""
+    args = {n: p.default for n, p in _parameters(cls).items() if p.default is not inspect.Parameter.empty}
+    args.update((k, v) for k, v in node.items() if k != "type")
+    return args
+
+
+def ask_class(node: Any, path: str, question: str) -> Any:
+    """What the class the dict ``node`` (at ``path``) is built as answers to
+    ``question``: its classmethod of that name called with the node's
+    arguments, defaults filled in. None when the type is unknown or does not
+    answer. How a type tells others about its config (the classes a model
+    predicts, the keys a transform hands on) without them knowing the type."""
+    found = _classes(node, path)
+    answer = getattr(found[0][1], question, None) if found else None
+    return answer(arguments_of(found[0][1], node)) if callable(answer) else None
+
+
+def answers_with(argument: str) -> classmethod:
+    """A class's answer to an :func:`ask_class` question that is one of its own
+    arguments, e.g. ``output_classes = answers_with("num_classes")``."""
+    return classmethod(lambda cls, args: args.get(argument))
+
+
+def _check_arguments(cls: Callable, node: dict, shown: str, registry: str | None, cfg: dict) -> None:
     domains, rules = domains_of(cls)
     domains = {**BUILDER_KEY_DOMAINS.get(registry or "", {}), **domains}
     for key, value in node.items():
@@ -130,14 +157,17 @@ def _check_arguments(cls: Callable, node: dict, shown: str, registry: str | None
         if domain is not None:
             domain(f"{shown}.{key}", value)
     if rules:
-        args = {n: p.default for n, p in _parameters(cls).items() if p.default is not inspect.Parameter.empty}
-        args.update((k, v) for k, v in node.items() if k != "type")
+        args = arguments_of(cls, node)
         for rule in rules:
-            if all(name in args for name in getattr(rule, "names", (rule.key,))):
+            if not all(name in args for name in getattr(rule, "names", (rule.key,))):
+                continue
+            if isinstance(rule, ConfigRule):
+                rule.check_config(args, cfg, f"{shown}.")
+            else:
                 rule.check(args, f"{shown}.")
 
 
-def _walk(node: Any, path: str, shown: str) -> None:
+def _walk(node: Any, path: str, shown: str, cfg: dict) -> None:
     if isinstance(node, dict) and "type" in node:
         if not isinstance(node["type"], str) and not callable(node["type"]):
             what = slot_registry(path) or "registered type"
@@ -146,13 +176,13 @@ def _walk(node: Any, path: str, shown: str) -> None:
         found = _classes(node, path)
         if found:
             registry, cls = found[0]
-            _check_arguments(cls, node, shown, registry)
+            _check_arguments(cls, node, shown, registry, cfg)
             for key, section in (getattr(cls, "config_sections", None) or {}).items():
                 if isinstance(node.get(key), dict):
-                    _check_arguments(section, node[key], f"{shown}.{key}", None)
+                    _check_arguments(section, node[key], f"{shown}.{key}", None, cfg)
     for index, child_shown, child in _children(node, shown):
         if isinstance(child, (dict, list, tuple)):
-            _walk(child, f"{path}.{index}" if path else index, child_shown)
+            _walk(child, f"{path}.{index}" if path else index, child_shown, cfg)
 
 
 # A ``param_dicts`` entry: which parameters (``keyword``), a factor on the base lr, and the optimizer's own options.
@@ -182,5 +212,5 @@ def check_config_domains(cfg: dict) -> None:
     the first bad value raises a one-line ConfigError naming the key."""
     for key, value in cfg.items():
         if isinstance(value, (dict, list, tuple)) and not str(key).startswith("_"):
-            _walk(value, str(key), str(key))
+            _walk(value, str(key), str(key), cfg)
     _check_param_dicts(cfg)

@@ -4,6 +4,7 @@ The grammar (dotted keys, list indices, hook-type selectors, ``+key``,
 literal-only values) is documented in ``docs/config.md``. A key the config
 does not list is accepted when it is a parameter of the registry-built dict
 it goes into (``hooks.CheckpointSaver.save_freq``): see ``config_slots``.
+A whole command line is applied by :mod:`pimm.utils.config_merge`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import re
 from typing import Any, Iterable
 
 from .config_dict import ConfigDict, to_config_value
-from .config_imports import IMPORTS_KEY, as_names, import_modules
-from .config_slots import check_registry_dicts, resolve, resolve_section, unknown_key_message
+from .config_slots import resolve, resolve_section, unknown_key_message
 from .errors import ConfigError, RegistryError
 
-__all__ = ["apply_option", "merge_options", "parse_options", "parse_value"]
+__all__ = ["apply_option", "parse_options", "parse_value"]
 
 _OPTION_FORM = "expected key=value, e.g. optimizer.lr=0.01, hooks.2.save_freq=50 or +new_key=1"
 _INT = re.compile(r"-?\d+")
@@ -132,17 +132,21 @@ def _config_paths(node: Any, prefix: str = "") -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _default_hook_hint(cfg: dict, path: str, seg: str, rest: list[str]) -> str:
-    """For ``hooks.<Type>...`` naming a type that is a default hook, not a list
-    entry: the ``default_hooks.<name>...`` key to write instead."""
-    defaults = cfg.get("default_hooks") if path == "hooks" else None
-    if not isinstance(defaults, dict):
-        return ""
-    name = next((n for n, entry in defaults.items() if _type_name(entry) == seg), None)
-    return "" if name is None else f"; {seg} is a default hook: write default_hooks.{'.'.join([name, *rest])}"
+def _default_hook_keys(cfg: dict, key: str) -> list[str]:
+    """``hooks.<Type>...`` for a type no entry of the list has, but a named
+    default hook has: the ``default_hooks.<name>...`` keys it means (SPEC: a
+    type selector reaches a default hook of that type too). ``[key]`` otherwise."""
+    segments = key.split(".")
+    hooks, defaults = cfg.get("hooks"), cfg.get("default_hooks")
+    if (len(segments) < 2 or segments[0] != "hooks" or _INT.fullmatch(segments[1])
+            or not isinstance(hooks, (list, tuple)) or not isinstance(defaults, dict)
+            or any(_type_name(entry) == segments[1] for entry in hooks)):
+        return [key]
+    names = [name for name, entry in defaults.items() if _type_name(entry) == segments[1]]
+    return [".".join(["default_hooks", str(name), *segments[2:]]) for name in names] or [key]
 
 
-def _list_indices(node: list | tuple, seg: str, key: str, path: str, hint: str = "") -> list[int]:
+def _list_indices(node: list | tuple, seg: str, key: str, path: str) -> list[int]:
     if _INT.fullmatch(seg):
         index = int(seg)
         if not -len(node) <= index < len(node):
@@ -153,7 +157,8 @@ def _list_indices(node: list | tuple, seg: str, key: str, path: str, hint: str =
         present = sorted({str(t) for t in map(_type_name, node) if t is not None})
         raise ConfigError(
             f"--options {key}: no entry of '{path}' has type {seg!r}; "
-            f"types present: {', '.join(present) or '(none)'}; or use an index 0..{len(node) - 1}{hint}"
+            f"types present: {', '.join(present) or '(none)'}"
+            + (f"; or use an index 0..{len(node) - 1}" if node else f" ('{path}' is empty)")
         )
     return matches
 
@@ -173,32 +178,47 @@ def _unknown_key(cfg: dict, key: str) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}; write +{key}=... to add a new key")
 
 
-def _check_parameter(cfg: dict, key: str, seg: str, last: bool, missing: list[tuple[dict, str, str]]) -> None:
+def _check_parameter(cfg: dict, key: str, seg: str, last: bool, missing: list[tuple[dict, str, str]],
+                     unresolved_ok: bool = False) -> None:
     """A key the config does not list is still defined when it is a parameter
     of the registry-built dict it goes into (only as the last segment: a
-    missing dict on the way is not created without ``+``)."""
+    missing dict on the way is not created without ``+``). ``unresolved_ok``:
+    a key of a registry-built dict whose type no live registry knows yet is
+    accepted (checked with the whole config once the registries are imported)."""
     if not last:
         raise _unknown_key(cfg, key)
     for node, _, where in missing:
         try:
             resolved = resolve(node, where)
         except RegistryError as err:
+            if unresolved_ok:
+                continue
             raise RegistryError(f"--options {key}: {err}") from None
         if resolved is None:
             resolved = resolve_section(cfg, where)  # e.g. model.grpo: the objective's options
         if resolved is None:
+            if unresolved_ok and isinstance(node, dict) and "type" in node:
+                continue
             raise _unknown_key(cfg, key)
         if seg in resolved.filled or not resolved.params.accepts(seg):
             raise ConfigError("--options " + unknown_key_message(resolved, seg, node, key))
 
 
-def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[str]:
+def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False, unresolved_ok: bool = False) -> list[str]:
     """Set dotted ``key`` to ``value``. A non-integer segment on a list selects
-    every dict entry whose ``type`` equals it. Without ``is_new`` the key must
+    every dict entry whose ``type`` equals it; ``hooks.<Type>`` with no such
+    entry in the list selects the named default hook(s) of that type
+    (``default_hooks.<name>``). Without ``is_new`` the key must
     exist (in at least one selected entry) or be a parameter of the
-    registry-built dict it goes into; with it, missing parents are created as
+    registry-built dict it goes into (``unresolved_ok``: or of one whose type
+    is not registered yet); with it, missing parents are created as
     dicts, and a list value on a list the config has is appended to it. Each target gets its own copy of ``value``. Returns the paths set,
     with list entries by index (``hooks.4.save_freq``)."""
+    return [path for target in _default_hook_keys(cfg, key)
+            for path in _apply_one(cfg, target, key, value, is_new, unresolved_ok)]
+
+
+def _apply_one(cfg: dict, key: str, shown: str, value: Any, is_new: bool, unresolved_ok: bool) -> list[str]:
     segments = key.split(".")
     targets: list[tuple[Any, str, str]] = [(cfg, "", "")]  # node, path as written, path by index
     written: list[str] = []
@@ -223,22 +243,21 @@ def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[
                 else:
                     following.append((node[name], here, _join(where, str(name))))
             elif isinstance(node, (list, tuple)):
-                hint = _default_hook_hint(cfg, path, seg, segments[depth + 1:])
-                for index in _list_indices(node, seg, key, path, hint):
+                for index in _list_indices(node, seg, shown, path):
                     at = _join(where, str(index))
                     if not last:
                         following.append((node[index], here, at))
                     elif isinstance(node, tuple):
-                        raise ConfigError(f"--options {key}: '{path}' is a tuple; set it whole, e.g. {path}=(1, 2)")
+                        raise ConfigError(f"--options {shown}: '{path}' is a tuple; set it whole, e.g. {path}=(1, 2)")
                     else:
                         node[index] = to_config_value(copy.deepcopy(value))
                         written.append(at)
             else:
                 raise ConfigError(
-                    f"--options {key}: '{path}' is {node!r} ({type(node).__name__}), not a dict or list"
+                    f"--options {shown}: '{path}' is {node!r} ({type(node).__name__}), not a dict or list"
                 )
         if missing and len(missing) == len(targets) and not is_new:
-            _check_parameter(cfg, key, seg, last, missing)
+            _check_parameter(cfg, shown, seg, last, missing, unresolved_ok)
         for node, here, where in missing:
             node[seg] = copy.deepcopy(value) if last else ConfigDict()
             following.append((node[seg], here, _join(where, seg)))
@@ -246,32 +265,3 @@ def apply_option(cfg: dict, key: str, value: Any, is_new: bool = False) -> list[
                 written.append(_join(where, seg))
         targets = following
     return written
-
-
-def merge_options(cfg: dict, tokens: Iterable[str] | None) -> None:
-    """Apply ``--options`` tokens in order, all parsed before any is applied.
-    A registry-built dict whose ``type`` an option changed (or that an
-    option set whole) is then checked against its new type: the type must
-    be registered and every key it keeps must be a parameter of it."""
-    changed: list[tuple[str, str]] = []
-    for key, value, is_new in parse_options(tokens):
-        for path in apply_option(cfg, key, value, is_new):
-            if not is_new:
-                changed.append((key, path.rpartition(".")[0] if path.endswith(".type") else path))
-    import_custom_modules(cfg)  # a type registered by a module the options add must be known below
-    for key, within in changed:
-        try:
-            check_registry_dicts(cfg, within, context=f"--options {key}: ")
-        except ConfigError as err:
-            if key.endswith(".type") and not isinstance(err, RegistryError):
-                # Keys of the old type stay when only ``type`` changes.
-                err.args = (f"{err}; to switch type, give the whole dict: {within}=\"{{'type': ..., ...}}\"",)
-            raise
-
-
-def import_custom_modules(cfg: dict) -> None:
-    """Import the modules of ``cfg["custom_imports"]`` (those an option added
-    included), so the classes they register exist before types are checked."""
-    if cfg.get(IMPORTS_KEY) is not None:
-        cfg[IMPORTS_KEY] = as_names(cfg[IMPORTS_KEY], IMPORTS_KEY, "--options")
-        import_modules(cfg[IMPORTS_KEY], "--options")

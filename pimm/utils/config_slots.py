@@ -65,6 +65,7 @@ BUILDER_ARGS: dict[str, tuple[str, ...]] = {
 # Keys the builder takes itself, beside the constructor's parameters.
 BUILDER_KEYS: dict[str, tuple[str, ...]] = {
     "hook": ("priority",),
+    "optimizer": ("no_weight_decay",),  # build_optimizer's group split (WeightDecayExclusion sets it)
 }
 
 _INDEX = re.compile(r"-?\d+")

@@ -49,9 +49,9 @@ from typing import Any, Callable, Iterable
 from .errors import ConfigError
 
 __all__ = ["Domain", "Number", "Real", "Int", "Choice", "Text", "FilePath", "Seq", "Pair", "DictOf", "Registered",
-           "Anything", "Instance", "OneOf", "Signal", "Rule", "same_length", "Bool", "Null", "Prob", "Positive",
-           "NonNeg", "PosInt", "Count", "Size", "LR", "Weight", "Length", "Steps", "Key", "Keys", "Names", "CollateFn",
-           "Transforms", "MAX_SIZE", "MAX_COUNT", "MAX_REAL", "as_domain", "show"]
+           "Anything", "Instance", "OneOf", "Signal", "Rule", "ConfigRule", "same_length", "Bool", "Null", "Prob",
+           "Positive", "NonNeg", "PosInt", "Count", "Size", "LR", "Weight", "Length", "Steps", "Key", "Keys", "Names",
+           "CollateFn", "Transforms", "MAX_SIZE", "MAX_COUNT", "MAX_REAL", "as_domain", "show"]
 
 # Sanity caps: far above anything a run means, far below what overflows or never ends.
 MAX_COUNT = 10**9
@@ -336,6 +336,25 @@ class Rule:
             return
         if not holds:
             raise ConfigError(f"{where}{self.key}={show(args.get(self.key))} is invalid: it takes {self.what}")
+
+
+class ConfigRule(Rule):
+    """A relation between a type's arguments and the rest of the config: the
+    data a model trains on, the model whose output an evaluator reads. The
+    declaring type owns the knowledge (which key of the other section matters
+    and what agreeing means); :func:`pimm.utils.config_domains.check_config_domains`
+    calls ``check_config(args, cfg, where)`` with the whole resolved config.
+    ``check_config`` raises a one-line ConfigError itself (it names keys of
+    two sections)."""
+
+    def __init__(self, key: str):
+        super().__init__(lambda a: True, key, "")
+
+    def check(self, args: dict, where: str) -> None:  # without the config there is nothing to relate
+        return
+
+    def check_config(self, args: dict, cfg: dict, where: str) -> None:
+        raise NotImplementedError
 
 
 def same_length(*names: str, offset: dict[str, int] | None = None,

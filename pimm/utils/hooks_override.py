@@ -16,6 +16,12 @@ like ``--options default_hooks.checkpoint.save_freq=500``; a type in the
 after its ``_base_`` chain and before ``--options`` (so the command line wins),
 and the key is then removed: ``config.py`` of a run holds the edited hooks.
 A type that is in none of those lists is an error, not a silent no-op.
+
+Loading does not depend on which registries are imported: an option of a
+hook whose type no registry knows yet is set and checked with the whole
+config at start-up (an option of a known type is checked at once).
+``--options hooks_override=dict(...)`` (or ``hooks_override.<Type>.<option>=v``)
+is applied at once, where it stands among the options, with the same checks.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from .config_options import apply_option
 from .errors import ConfigError
 
-__all__ = ["KEY", "apply_hooks_override"]
+__all__ = ["KEY", "apply_hooks_override", "apply_overrides"]
 
 KEY = "hooks_override"
 
@@ -51,29 +57,37 @@ def _targets(cfg: dict) -> dict[str, list[str]]:
 
 
 def apply_hooks_override(cfg: dict) -> None:
-    """Apply and remove ``cfg["hooks_override"]`` (see the module docstring)."""
+    """Apply and remove ``cfg["hooks_override"]`` of a loaded file (see the module docstring)."""
     if KEY not in cfg:
         return
-    overrides = cfg.pop(KEY)
+    apply_overrides(cfg, cfg.pop(KEY), unresolved_ok=True)
+
+
+def apply_overrides(cfg: dict, overrides: Any, source: str = KEY, unresolved_ok: bool = False) -> list[str]:
+    """Set ``overrides`` (``dict(HookType=dict(option=value))``) on the hooks of
+    ``cfg``; returns the paths set. ``source`` names the culprit in errors;
+    ``unresolved_ok``: see :func:`pimm.utils.config_options.apply_option`."""
     if overrides is None:
-        return
+        return []
     if not isinstance(overrides, dict):
-        raise ConfigError(f"{KEY} must be a dict(HookType=dict(option=value)), got {overrides!r}")
+        raise ConfigError(f"{source} must be a dict(HookType=dict(option=value)), got {overrides!r}")
     targets = _targets(cfg)
+    written: list[str] = []
     for hook_type, options in overrides.items():
         if not isinstance(options, dict):
-            raise ConfigError(f"{KEY}[{hook_type!r}] must be a dict of options, e.g. dict(save_freq=100), "
+            raise ConfigError(f"{source}[{hook_type!r}] must be a dict of options, e.g. dict(save_freq=100), "
                               f"got {options!r}")
         prefixes = targets.get(hook_type)
         if not prefixes:
             listed = sorted(targets)
-            raise ConfigError(f"{KEY}: hook type {hook_type!r} is not in the config's hooks "
+            raise ConfigError(f"{source}: hook type {hook_type!r} is not in the config's hooks "
                               f"({', '.join(listed) or 'none'}); add dict(type={hook_type!r}) to hooks or drop it "
                               f"from {KEY}")
         for option, value in options.items():
             for prefix in prefixes:
                 try:
-                    apply_option(cfg, f"{prefix}.{option}", value)
+                    written += apply_option(cfg, f"{prefix}.{option}", value, unresolved_ok=unresolved_ok)
                 except ConfigError as err:
-                    err.args = (str(err).replace("--options ", f"{KEY}: ", 1),)
+                    err.args = (str(err).replace("--options ", f"{source}: ", 1),)
                     raise
+    return written

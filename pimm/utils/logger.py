@@ -14,7 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["setup_logger", "FILE_ONLY", "log_file", "LOG_PREFIX_WIDTH", "CONSOLE_WIDTH", "fit_line"]
+__all__ = ["setup_logger", "get_root_logger", "FILE_ONLY", "log_file", "LOG_PREFIX_WIDTH", "CONSOLE_WIDTH",
+           "fit_line"]
 
 #: ``logger.error(..., exc_info=True, extra=FILE_ONLY)``: a traceback for
 #: ``train.log`` only, behind a one-line error the user already sees.
@@ -139,4 +140,27 @@ def setup_logger(save_path: str | Path | None, rank: int = 0, name: str = "pimm"
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
     _log_thread_failures(logger)
+    return logger
+
+
+def get_root_logger(log_file: str | os.PathLike | None = None, log_level: int = logging.INFO,
+                    file_mode: str = "a") -> logging.Logger:
+    """Upstream pimm's name for the ``pimm`` logger. In a run, the logger the
+    run set up (console and ``train.log``); outside one it first gets the
+    console handler (:func:`setup_logger` without a file). ``log_file`` adds
+    that file (rank 0, opened with ``file_mode``) when the logger does not write
+    it yet; ``log_level`` is rank 0's level, the other ranks log errors only."""
+    from pimm.utils import comm
+
+    logger = logging.getLogger("pimm")
+    rank = comm.get_rank()
+    if not logger.handlers:
+        setup_logger(None, rank)
+    if log_file is not None and rank == 0:
+        target = Path(log_file).resolve()
+        if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == target for h in logger.handlers):
+            handler = _LogFile(target, mode=file_mode)
+            handler.setFormatter(logging.Formatter(_FORMAT, "%Y-%m-%d %H:%M:%S"))
+            logger.addHandler(handler)
+    logger.setLevel(log_level if rank == 0 else logging.ERROR)
     return logger

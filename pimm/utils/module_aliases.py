@@ -4,7 +4,9 @@ old places.
 ``pimm.engines`` was regrouped into subpackages (``loop/``, ``optim/``,
 ``run/``, ``observe/``) and ``pimm.tools`` merged into ``pimm.cli``. Users'
 configs, upstream plug-ins and checkpoints pickled before the move still name
-the old paths (``pimm.engines.scheduler``, ``pimm.tools.plot``...). A finder on
+the old paths (``pimm.engines.scheduler``, ``pimm.tools.plot``...); upstream
+pimm's ``pimm.utils.checkpoints`` names code that lives in the engine here
+(the utils layer cannot import it). A finder on
 ``sys.meta_path`` answers those names with the module at the new path: the
 *same* module object, registered under both names in ``sys.modules``, so a
 registry filled through one name is the registry seen through the other, and
@@ -41,6 +43,8 @@ MOVED: dict[str, str] = {
         "launch", "run_dir", "run_records", "resume_config", "runtime", "parallel", "data")},
     **{f"{_ENGINES}.{name}": f"{_ENGINES}.observe.{name}" for name in (
         "metrics", "writers", "tracing", "wandb_options")},
+    # Upstream's checkpoint helpers live with pimm's checkpoint code (the engine), under upstream's path too.
+    "pimm.utils.checkpoints": f"{_ENGINES}.state.upstream_checkpoints",
     # ``pimm.tools`` was a package; ``pimm.cli`` re-exports its helpers (ToolParser...).
     "pimm.tools": "pimm.cli",
     **{f"pimm.tools.{name}": f"pimm.cli.{name}" for name in (

@@ -16,9 +16,10 @@ from pimm.engines.hooks.on_demand import OnDemandValidation
 from pimm.engines.hooks.progress import ProgressBar
 from pimm.engines.hooks.timer import IterationTimer
 from pimm.engines.hooks.upstream import FinalEvaluator, ModelHook
+from pimm.engines.hooks.resources import ResourceUtilizationLogger
 from pimm.engines.hooks.upstream_runtime import (CheckpointSaverIteration, DtypeOverrider, GradientNormLogger,
-                                                 ParameterCounter, ResourceUtilizationLogger, WandbNamer,
-                                                 WeightDecayExclusion, WeightDecayScheduler)
+                                                 ParameterCounter, WandbNamer, WeightDecayExclusion,
+                                                 WeightDecayScheduler)
 from pimm.engines.hooks.upstream_diagnostics import GarbageHandler, LogitEntropyLogger, RuntimeProfiler
 
 __all__ = ["HookBase", "EvalRun", "PRIORITIES", "CheckpointLoader", "CheckpointSaver", "EarlyStopping", "EMAHook",

@@ -29,13 +29,14 @@ values through ``self.trainer.metrics`` (:mod:`pimm.engines.observe.metrics`).
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from pimm.engines.registries import HOOKS
 from pimm.utils.errors import ConfigError
 
-__all__ = ["HookBase", "EvalRun", "EVAL_KINDS", "PRIORITIES", "get_priority", "build_hooks"]
+__all__ = ["HookBase", "EvalRun", "EVAL_KINDS", "PRIORITIES", "get_priority", "build_hooks", "calling_hook"]
 
 #: Why an evaluation runs: ``scheduled`` (an evaluator's interval),
 #: ``final`` (the weights training ended with, unless just scored),
@@ -191,6 +192,25 @@ class HookBase:
 
 
 _VAL_ARITY = {"before_val": 1, "after_val": 2}
+
+
+def calling_hook() -> str:
+    """The hook whose method is on the call stack (the innermost one), as an
+    error line names it: ``MyHook (hooks[2])``; ``""`` when no hook is. For the
+    messages of calls hooks make (``trainer.writer.add_scalar``...): it walks
+    the stack, so it is for the error path only."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        try:
+            is_hook = isinstance(owner, HookBase)
+        except ReferenceError:  # a weak proxy whose object is gone
+            is_hook = False
+        if is_hook:
+            origin = getattr(owner, "origin", "")
+            return f"{type(owner).__name__} ({origin})" if origin else type(owner).__name__
+        frame = frame.f_back
+    return ""
 
 
 def _positional_arity(fn) -> int:

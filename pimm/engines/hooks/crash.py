@@ -17,7 +17,7 @@ from pimm.engines.registries import HOOKS
 from pimm.utils.domains import Int, PosInt
 from pimm.utils.errors import ConfigError
 
-__all__ = ["SimulateCrash", "CRASH_STEP_ENV"]
+__all__ = ["SimulateCrash", "CRASH_STEP_ENV", "crash_step_from_env"]
 
 CRASH_STEP_ENV = "PIMM_SIMULATE_CRASH_STEP"
 
@@ -42,17 +42,10 @@ class SimulateCrash(HookBase):
     domains = dict(step=PosInt | None, exit_code=Int(1, 255))
 
     def __init__(self, step: int | None = None, exit_code: int = 137, wait_for_commit: bool = True):
-        self.step, self.exit_code, self.wait_for_commit = step, exit_code, bool(wait_for_commit)
+        self.step = step if step is not None else crash_step_from_env()  # checked where the hook is built
+        self.exit_code, self.wait_for_commit = exit_code, bool(wait_for_commit)
 
     def before_train(self):
-        if self.step is None:
-            raw = os.environ.get(CRASH_STEP_ENV)
-            if raw is not None:
-                try:
-                    self.step = int(raw)
-                except ValueError:
-                    raise ConfigError(f"${CRASH_STEP_ENV}={raw!r} must be a step number (a positive integer)") \
-                        from None
         if self.step is not None:
             self.trainer.logger.info("SimulateCrash: the process will exit with %d after %d step(s)", self.exit_code,
                                      self.step)
@@ -66,3 +59,20 @@ class SimulateCrash(HookBase):
             if self.wait_for_commit:
                 self.trainer.checkpointer.wait()
             os._exit(self.exit_code)
+
+
+def crash_step_from_env() -> int | None:
+    """``$PIMM_SIMULATE_CRASH_STEP`` as a step count (None when unset); anything
+    but a positive integer is a ConfigError: 0 or -1 would crash at once or
+    never, neither of which is a drill."""
+    raw = os.environ.get(CRASH_STEP_ENV)
+    if raw is None:
+        return None
+    try:
+        step = int(raw.strip())
+    except ValueError:
+        step = None
+    if step is None or step < 1:
+        raise ConfigError(f"${CRASH_STEP_ENV}={raw!r} must be a positive number of steps (the process exits after "
+                          "running that many); unset it to train normally")
+    return step

@@ -18,6 +18,7 @@ from pimm.engines.observe.metrics import reduce_values
 from pimm.engines.registries import HOOKS
 from pimm.utils.logger import fit_line
 from pimm.utils.domains import Count, Int, PosInt
+from pimm.utils.errors import ConfigError
 
 __all__ = ["InformationWriter"]
 
@@ -38,17 +39,33 @@ class InformationWriter(HookBase):
         max_extras: at most this many other ``train/*`` scalars beside loss and lr.
         max_width: longest console line, in characters, the logger's time stamp
             included (at least 80).
+        step_offset: upstream's shift of the logged steps, to continue a
+            warm-started run's W&B x-axis where its parent left off: it sets
+            the runtime key ``log_step_offset`` (every step W&B receives;
+            ``metrics.jsonl`` and TensorBoard keep the run's own steps).
     """
-    domains = dict(log_frequency=PosInt, max_extras=Count, max_width=Int(40, 10000))
+    domains = dict(log_frequency=PosInt, max_extras=Count, max_width=Int(40, 10000), step_offset=Count)
 
-    def __init__(self, log_frequency: int = 20, max_extras: int = 12, max_width: int = 160):
+    def __init__(self, log_frequency: int = 20, max_extras: int = 12, max_width: int = 160, step_offset: int = 0):
         for name, value, low in (("log_frequency", log_frequency, 1), ("max_extras", max_extras, 0),
                                  ("max_width", max_width, 80)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if isinstance(step_offset, bool) or not isinstance(step_offset, int) or step_offset < 0:
+            raise ValueError(f"step_offset must be an integer >= 0, got {step_offset!r}")
         self.log_frequency = log_frequency
         self.max_extras = max_extras
         self.max_width = max_width
+        self.step_offset = step_offset
+
+    def modify_config(self, cfg) -> None:
+        if not self.step_offset:
+            return
+        offset = cfg.get("log_step_offset") or 0
+        if offset and offset != self.step_offset:
+            raise ConfigError(f"InformationWriter(step_offset={self.step_offset}) contradicts log_step_offset={offset}"
+                              " (both shift the steps W&B receives): set one of them")
+        cfg["log_step_offset"] = self.step_offset
 
     def set_interval(self, log_frequency: int) -> None:
         """Flush and log every ``log_frequency`` steps from now on (live control)."""

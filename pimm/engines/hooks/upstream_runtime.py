@@ -1,21 +1,17 @@
 """Runtime hooks of upstream pimm's pre-training and fine-tuning configs
 that know nothing about the model or the data: run naming, parameter
 counts, weight-decay exclusion and schedule, dtype pinning, step-interval
-checkpoints, gradient norms and resource use.
+checkpoints and gradient norms (resource use: :mod:`pimm.engines.hooks.resources`).
 
 Scalars go through ``trainer.metrics`` (``metrics.jsonl``, TensorBoard,
-W&B) under upstream's names (``params/wd``, ``grad_norm/total``,
-``resources/...``).
+W&B) under upstream's names (``params/wd``, ``grad_norm/total``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import re
-import resource
-import time
 
 import torch
 from torch import nn
@@ -23,11 +19,11 @@ from torch import nn
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.hooks.checkpoint import CheckpointSaver
 from pimm.engines.registries import HOOKS
-from pimm.utils.domains import Bool, Choice, Count, Key, Keys, Names, PosInt, Real, Seq, Text, show
+from pimm.utils.domains import Bool, Choice, Count, Key, Keys, Names, PosInt, Real, Seq, Text, as_domain, show
 from pimm.utils.errors import ConfigError
 
 __all__ = ["WandbNamer", "ParameterCounter", "WeightDecayExclusion", "WeightDecayScheduler", "DtypeOverrider",
-           "CheckpointSaverIteration", "GradientNormLogger", "ResourceUtilizationLogger"]
+           "CheckpointSaverIteration", "GradientNormLogger"]
 
 
 def _frequency(value, who: str) -> int:
@@ -39,7 +35,7 @@ def _frequency(value, who: str) -> int:
 def _patterns(key: str, value) -> object:
     """a regular expression or a list of them, like 'LayerNorm'"""
     items = [value] if isinstance(value, str) else value
-    if isinstance(items, (list, tuple)) and items and all(isinstance(p, str) and p for p in items):
+    if isinstance(items, (list, tuple)) and all(isinstance(p, str) and p for p in items):
         try:
             for p in items:
                 re.compile(p)
@@ -170,6 +166,8 @@ class WeightDecayExclusion(HookBase):
         if not isinstance(optimizer, dict) or any(isinstance(v, dict) and "type" in v for v in optimizer.values()):
             raise ConfigError("WeightDecayExclusion needs one optimizer = dict(type=...); with several model parts "
                               "use param_dicts=[dict(keyword='bias', weight_decay=0.0), ...] per part")
+        if optimizer.get("no_weight_decay") == self.rules:
+            return  # a record written with this hook's change, replayed: applied already (max_lr widened)
         optimizer["no_weight_decay"] = dict(self.rules)
         scheduler = cfg.get("scheduler")
         if isinstance(scheduler, dict) and isinstance(scheduler.get("max_lr"), (list, tuple)):
@@ -217,26 +215,43 @@ class WeightDecayScheduler(HookBase):
 
 @HOOKS.register_module()
 class DtypeOverrider(HookBase):
-    """Run the modules whose class name matches one of ``class_patterns``
-    (regular expressions, e.g. ``LayerNorm``) in ``dtype`` under mixed
-    precision: their ``methods_to_override`` get their floating inputs cast to
-    ``dtype`` with autocast off; ``override_parameters`` casts their
-    parameters too. Upstream's guard for bfloat16 LayerNorms."""
+    """Run chosen modules in ``dtype`` under mixed precision: those whose
+    dotted name (``backbone.enc.0.norm``) matches one of ``patterns`` or whose
+    class name matches one of ``class_patterns`` (regular expressions, searched).
+    Their ``methods_to_override`` get their floating inputs cast to ``dtype``
+    with autocast off; ``override_parameters`` casts their own parameters too.
+    Upstream's guard for bfloat16 LayerNorms. With neither list given,
+    ``class_patterns`` is ``("LayerNorm",)``; with ``patterns`` alone only
+    names match (upstream's meaning).
+
+    ``verbose`` logs each wrapped method and cast parameter; every
+    ``check_interval`` steps the cast parameters are checked to still be in
+    ``dtype`` (something that casts the model afterwards, ``model.half()``,
+    would silently undo the pin): each one that is not is logged once."""
 
     _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
                "float16": torch.float16}
 
-    domains = dict(class_patterns=_patterns, dtype=Choice(*_DTYPES), methods_to_override=Key | Names)
+    domains = dict(patterns=as_domain(_patterns) | None, class_patterns=as_domain(_patterns) | None,
+                   dtype=Choice(*_DTYPES), methods_to_override=Key | Names, check_interval=PosInt)
 
-    def __init__(self, class_patterns=("LayerNorm",), dtype: str = "float32", override_parameters: bool = True,
-                 methods_to_override=("forward",)):
+    def __init__(self, patterns=None, class_patterns=None, dtype: str = "float32", override_parameters: bool = True,
+                 methods_to_override=("forward",), verbose: bool = False, check_interval: int = 10):
         if dtype not in self._DTYPES:
             raise ConfigError(f"DtypeOverrider: dtype={dtype!r}; use one of {list(self._DTYPES)}")
-        self.patterns = [re.compile(p) for p in ((class_patterns,) if isinstance(class_patterns, str)
-                                                 else class_patterns)]
+        if class_patterns is None and not patterns:
+            class_patterns = ("LayerNorm",)
+        self.patterns, self.class_patterns = (
+            [re.compile(p) for p in ((value,) if isinstance(value, str) else value or ())]
+            for value in (patterns, class_patterns))
         self.dtype, self.override_parameters = self._DTYPES[dtype], bool(override_parameters)
         self.methods = (methods_to_override,) if isinstance(methods_to_override, str) else tuple(methods_to_override)
+        if isinstance(check_interval, bool) or not isinstance(check_interval, int) or check_interval < 1:
+            raise ConfigError(f"DtypeOverrider: check_interval={check_interval!r} must be a positive integer")
+        self.verbose, self.check_interval = bool(verbose), check_interval
         self.wrapped = 0
+        self.cast_parameters: list[tuple[str, nn.Parameter]] = []  # (dotted name, parameter) pinned to dtype
+        self._reported: set[str] = set()
 
     def _cast(self, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -251,16 +266,38 @@ class DtypeOverrider(HookBase):
                 return method(*[self._cast(a) for a in args], **{k: self._cast(v) for k, v in kwargs.items()})
         return pinned
 
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module at dotted ``name`` is pinned."""
+        return any(p.search(name) for p in self.patterns) or \
+            any(p.search(type(module).__name__) for p in self.class_patterns)
+
     def before_train(self) -> None:
-        for module in self.trainer.model_without_ddp.modules():
-            if not any(p.search(type(module).__name__) for p in self.patterns):
+        log = self.trainer.logger.info
+        for name, module in self.trainer.model_without_ddp.named_modules():
+            if not name or not self.matches(name, module):
                 continue
             if self.override_parameters:
+                for param_name, param in module.named_parameters(recurse=False):
+                    if self.verbose and param.dtype != self.dtype:
+                        log(f"DtypeOverrider: {name}.{param_name} {param.dtype} -> {self.dtype}")
+                    self.cast_parameters.append((f"{name}.{param_name}", param))
                 module.to(self.dtype)
-            for name in self.methods:
-                setattr(module, name, self._wrap(getattr(module, name)))
+            for method in self.methods:
+                if self.verbose:
+                    log(f"DtypeOverrider: {name}.{method} ({type(module).__name__}) runs in {self.dtype}")
+                setattr(module, method, self._wrap(getattr(module, method)))
             self.wrapped += 1
-        self.trainer.logger.info(f"DtypeOverrider: {self.wrapped} module(s) run in {self.dtype}")
+        log(f"DtypeOverrider: {self.wrapped} module(s) run in {self.dtype}")
+
+    def after_step(self) -> None:
+        if not self.cast_parameters or self.trainer.global_step % self.check_interval:
+            return
+        for name, param in self.cast_parameters:
+            if param.dtype != self.dtype and name not in self._reported:
+                self._reported.add(name)
+                self.trainer.logger.warning(f"DtypeOverrider: {name} is {param.dtype} at step "
+                                            f"{self.trainer.global_step}, no longer {self.dtype}: something cast "
+                                            "the model after before_train, undoing the pin")
 
 
 @HOOKS.register_module()
@@ -307,56 +344,3 @@ class GradientNormLogger(HookBase):
                 scalars[f"{self.prefix}/layers/{name.replace('.', '_')}"] = torch.linalg.vector_norm(
                     grad.float(), self.norm_type)
         trainer.metrics.publish({k: v.detach() for k, v in scalars.items()}, step=trainer.global_step + 1)
-
-
-@HOOKS.register_module()
-class ResourceUtilizationLogger(HookBase):
-    """Every ``log_frequency`` steps under ``<prefix>/``: the process's CPU
-    use since the last log (``cpu_percent``, 100 = one core busy) and peak
-    resident memory (``process_rss_gb``); system memory in use
-    (``system_memory_percent``, from /proc/meminfo); per GPU, memory
-    allocated and reserved (``gpu<i>/allocated_gb``, ``gpu<i>/reserved_gb``)
-    or their sum over devices without ``log_per_gpu``."""
-
-    domains = _LOGGER_DOMAINS
-
-    def __init__(self, log_frequency: int = 10, prefix: str = "resources", log_per_gpu: bool = True,
-                 log_cpu: bool = True, log_system_memory: bool = True):
-        self.log_frequency, self.prefix = _frequency(log_frequency, "ResourceUtilizationLogger"), prefix
-        self.log_per_gpu, self.log_cpu, self.log_system_memory = bool(log_per_gpu), bool(log_cpu), log_system_memory
-        self._last = (time.monotonic(), time.process_time())
-
-    @staticmethod
-    def system_memory_percent() -> float | None:
-        """Percent of the machine's memory in use (/proc/meminfo); None where unreadable."""
-        try:
-            info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-            total, available = (float(info[k].split()[0]) for k in ("MemTotal", "MemAvailable"))
-            return 100.0 * (1 - available / total)
-        except (OSError, KeyError, ValueError):
-            return None
-
-    def after_step(self) -> None:
-        trainer = self.trainer
-        if trainer.global_step % self.log_frequency:
-            return
-        p = self.prefix
-        scalars: dict[str, float] = {}
-        if self.log_cpu:
-            wall, cpu = time.monotonic(), time.process_time()
-            scalars[f"{p}/cpu_percent"] = 100.0 * (cpu - self._last[1]) / max(wall - self._last[0], 1e-9)
-            self._last = (wall, cpu)
-            scalars[f"{p}/process_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            scalars[f"{p}/cpu_count"] = float(os.cpu_count() or 0)
-        if self.log_system_memory and (percent := self.system_memory_percent()) is not None:
-            scalars[f"{p}/system_memory_percent"] = percent
-        if torch.cuda.is_available():
-            per = [(torch.cuda.memory_allocated(i) / 2**30, torch.cuda.memory_reserved(i) / 2**30)
-                   for i in range(torch.cuda.device_count())]
-            if self.log_per_gpu:
-                for i, (alloc, reserved) in enumerate(per):
-                    scalars[f"{p}/gpu{i}/allocated_gb"], scalars[f"{p}/gpu{i}/reserved_gb"] = alloc, reserved
-            else:
-                scalars[f"{p}/gpu/allocated_gb"] = sum(a for a, _ in per)
-                scalars[f"{p}/gpu/reserved_gb"] = sum(r for _, r in per)
-        trainer.metrics.publish(scalars, step=trainer.global_step)

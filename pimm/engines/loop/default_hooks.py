@@ -15,7 +15,11 @@ A run's hooks come from two keys:
 
 The rule for a type in both: the list's entry is used, with its own
 parameters, and the default of that type is not added (a type is never
-registered twice by accident). An ``--options default_hooks.<name>...``
+registered twice by accident). The same holds between two defaults: a name
+given another service's type (``default_hooks.information_writer =
+dict(type="ProgressBar")``) replaces that service's own default, which is
+then not added; when both names are set to the one type, that is an error
+naming them. An ``--options default_hooks.<name>...``
 aimed at a default that the list replaces would silently do nothing, so it
 is an error naming the list's entry to edit instead.
 
@@ -112,8 +116,11 @@ def assemble_hooks(cfg) -> list[tuple[str, dict]]:
     for index, entry in enumerate(hooks):
         listed.setdefault(_type_name(entry), index)
     chosen = []
+    retyped = _retyped_defaults(defaults) if defaults is not None else {}
     for name in DEFAULT_HOOKS if defaults is not None else ():  # the table's order, whatever the config's
         entry = defaults.get(name)
+        if name in retyped:  # another name of default_hooks was given this service's type: that one is used
+            continue
         replaced_by = listed.get(_type_name(DEFAULT_HOOKS[name] if entry is None else entry))
         if replaced_by is not None:
             token = next((t for t in options if _option_key(t).split(".")[:2] == ["default_hooks", name]), None)
@@ -128,6 +135,26 @@ def assemble_hooks(cfg) -> list[tuple[str, dict]]:
             chosen.append((f"default_hooks.{name}", entry))
     chosen += [(f"hooks[{index}]", entry) for index, entry in enumerate(hooks)]
     return chosen
+
+
+def _retyped_defaults(defaults: dict) -> dict[str, str]:
+    """``{name: other name}`` for each default whose type another name of
+    ``default_hooks`` was set to (that entry is used and this one dropped);
+    ConfigError when the entry of this name was set too (two of one type)."""
+    out = {}
+    for other, entry in defaults.items():
+        kind = _type_name(entry) if entry is not None else None
+        if other not in DEFAULT_HOOKS or kind is None or kind == DEFAULT_HOOKS[other]["type"]:
+            continue
+        for name, default in DEFAULT_HOOKS.items():
+            if name == other or default["type"] != kind:
+                continue
+            own = defaults.get(name)
+            if own is not None and own != default:
+                raise ConfigError(f"default_hooks.{other} and default_hooks.{name} are both {kind} hooks: one "
+                                  f"service would run twice; set one of them (the other to None)")
+            out[name] = other
+    return out
 
 
 def build_run_hooks(cfg) -> list:

@@ -19,26 +19,64 @@ pimm's one metric channel (:mod:`pimm.engines.observe.metrics`), never a second 
   before any, by direction).
 * ``trainer.comm_info["iter_info"]``: text appended to the step's log line;
   emptied before each step.
+
+A value these calls cannot use (a string as a scalar, a 3-element tensor as
+``current_metric_value``, ``"False"`` as ``current_metric_greater_is_better``)
+is refused at the call with one line naming the call, the tag or key and the
+hook that made it (:class:`~pimm.utils.errors.UserError`), never a failure
+deep inside a sink later.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
+from pimm.engines.hooks.base import calling_hook
 from pimm.utils import comm
+from pimm.utils.domains import show
+from pimm.utils.errors import UserError
 
-__all__ = ["ScalarHistory", "EventStorage", "SummaryWriterCalls", "UpstreamTrainerView", "take_published_metric"]
+__all__ = ["ScalarHistory", "EventStorage", "SummaryWriterCalls", "UpstreamTrainerView", "CommInfo",
+           "take_published_metric", "refuse_value"]
 
 
-def _host_float(value: Any) -> float:
+def refuse_value(call: str, value: Any, takes: str) -> UserError:
+    """The one-line error for a value a hook handed to ``call`` that it cannot
+    use, naming the hook making the call (when one is)."""
+    hook = calling_hook()
+    kind = f"a {type(value).__name__}" if not isinstance(value, (torch.Tensor, np.ndarray)) else \
+        f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    return UserError(f"{hook + ': ' if hook else ''}{call} got {show(value)} ({kind}); it takes {takes}")
+
+
+_NUMBER = "a number (an int, a float or a one-element tensor)"
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a host float if it is one number, else None."""
     if isinstance(value, torch.Tensor):
-        return float(value.detach().float().reshape(()).item())
-    return float(value)
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.detach().reshape(()).float().item())
+    if isinstance(value, np.ndarray):
+        return float(value.reshape(())) if value.size == 1 and value.dtype.kind in "biuf" else None
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    return None
+
+
+def _host_float(value: Any, call: str) -> float:
+    """``value`` as a host float, or the error naming ``call`` and the hook."""
+    number = _as_float(value)
+    if number is None:
+        raise refuse_value(call, value, _NUMBER)
+    return number
 
 
 class ScalarHistory:
@@ -85,7 +123,7 @@ class EventStorage:
     def put_scalar(self, name: str, value: Any, n: int = 1, smoothing_hint: bool = False) -> None:
         """Add ``n`` observations of ``value`` to ``history(name)``; the value is
         also shared on the metric channel (``trainer.metrics.latest(name)``)."""
-        value = _host_float(value)
+        value = _host_float(value, f"trainer.storage.put_scalar({name!r}, ...)")
         self._histories.setdefault(name, ScalarHistory()).update(value, n)
         self._latest[name] = (value, self.iter)
         self._trainer.metrics.record(name, value)
@@ -147,22 +185,27 @@ class SummaryWriterCalls:
         """Publish ``{tag: value}`` at one step into the channel (rank-local host values)."""
         if self.channel is None:
             raise RuntimeError("trainer.writer.add_scalar: the writer is not attached to a metric channel")
-        self.channel.publish_local({tag: _host_float(value) for tag, value in scalars.items()},
-                                   step=self._step(global_step))
+        for tag in scalars:
+            if not isinstance(tag, str) or not tag:
+                raise refuse_value("trainer.writer.add_scalar(tag, ...)", tag, "a tag (a non-empty string)")
+        self.channel.publish_local({tag: _host_float(value, f"trainer.writer.add_scalar({tag!r}, ...)")
+                                    for tag, value in scalars.items()}, step=self._step(global_step))
 
     def add_image(self, tag: str, img_tensor: Any, global_step: int | None = None, walltime=None,
                   dataformats: str = "CHW") -> None:
         """An image to TensorBoard and W&B (``dataformats`` as TensorBoard's: CHW, HWC, HW)."""
-        self.add_images({tag: _to_hwc_uint8(img_tensor, dataformats)}, self._step(global_step))
+        self.add_images({tag: _to_hwc_uint8(tag, img_tensor, dataformats)}, self._step(global_step))
 
     def add_histogram(self, tag: str, values: Any, global_step: int | None = None, bins: Any = "tensorflow",
                       walltime=None, **_) -> None:
         """A histogram of ``values`` to TensorBoard and W&B (rank 0)."""
         if not self.logs_images:
             return
+        array = _histogram_values(tag, values)
+        if array is None:  # only non-finite values: nothing to draw
+            return
         self._open()
         step = self._step(global_step)
-        array = values.detach().float().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
         if self._tb is not None:
             self._tb.add_histogram(tag, array, step, bins=bins)
         if self._wandb_run is not None:
@@ -171,15 +214,47 @@ class SummaryWriterCalls:
             self._wandb_run.log({tag: wandb.Histogram(array)}, step=step)
 
 
-def _to_hwc_uint8(image: Any, dataformats: str) -> np.ndarray:
-    array = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
+def _numeric_array(value: Any) -> np.ndarray | None:
+    """``value`` (a tensor, an array, nested lists) as a real numeric array, or None."""
+    if isinstance(value, torch.Tensor):
+        return None if value.is_complex() else value.detach().float().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):  # ragged lists
+        return None
+    return array if array.dtype.kind in "biuf" else None
+
+
+def _histogram_values(tag: str, values: Any) -> np.ndarray | None:
+    """The finite values of a histogram (None when there are none); the error
+    naming the tag and the hook for values that are not numbers or are empty."""
+    array = _numeric_array(values)
+    if array is None or array.size == 0:
+        raise refuse_value(f"trainer.writer.add_histogram({tag!r}, ...)", values,
+                           "a non-empty tensor or array of numbers")
+    array = array.reshape(-1).astype(np.float64)
+    finite = array[np.isfinite(array)]
+    return finite if finite.size else None
+
+
+_IMAGE_SHAPES = {"HW": "(H, W)", "CHW": "(C, H, W) with C 1, 3 or 4", "HWC": "(H, W, C) with C 1, 3 or 4"}
+
+
+def _to_hwc_uint8(tag: str, image: Any, dataformats: str) -> np.ndarray:
+    call = f"trainer.writer.add_image({tag!r}, ...)"
+    if not isinstance(dataformats, str) or dataformats.upper() not in _IMAGE_SHAPES:
+        raise refuse_value(f"{call}: dataformats", dataformats, "'CHW', 'HWC' or 'HW'")
     dataformats = dataformats.upper()
+    array = _numeric_array(image)
+    channels = None if array is None or array.ndim != len(dataformats) else \
+        array.shape[dataformats.index("C")] if "C" in dataformats else 1
+    if array is None or channels not in (1, 3, 4) or array.size == 0:
+        raise refuse_value(call, image, f"an image of numbers shaped {_IMAGE_SHAPES[dataformats]} "
+                                        f"(dataformats={dataformats!r})")
     if dataformats == "HW":
         array = np.repeat(array[..., None], 3, axis=-1)
     elif dataformats == "CHW":
         array = np.transpose(array, (1, 2, 0))
-    elif dataformats != "HWC":
-        raise ValueError(f"add_image: dataformats must be 'CHW', 'HWC' or 'HW', got {dataformats!r}")
     if array.shape[-1] == 1:
         array = np.repeat(array, 3, axis=-1)
     if array.dtype != np.uint8:
@@ -219,7 +294,41 @@ class UpstreamTrainerView:
     @best_metric_value.setter
     def best_metric_value(self, value: float) -> None:
         best = self.metrics.best
-        best.value, best.step = _host_float(value), self.global_step
+        best.value, best.step = _host_float(value, "trainer.best_metric_value = ..."), self.global_step
+
+
+def _check_metric_name(key: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise refuse_value(f"trainer.comm_info[{key!r}] = ...", value, "a metric name (a non-empty string)")
+
+
+def _check_metric_value(key: str, value: Any) -> None:
+    if _as_float(value) is None:
+        raise refuse_value(f"trainer.comm_info[{key!r}] = ...", value, _NUMBER)
+
+
+def _check_direction(key: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise refuse_value(f"trainer.comm_info[{key!r}] = ...", value, "True or False")
+
+
+#: The keys of upstream's evaluator contract and what each takes.
+_PUBLISHED_KEYS = {"current_metric_value": _check_metric_value, "current_metric_name": _check_metric_name,
+                   "current_metric_greater_is_better": _check_direction}
+
+
+class CommInfo(dict):
+    """``trainer.comm_info``: a plain dict, except that the keys of upstream's
+    evaluator contract (``current_metric_value``, ``current_metric_name``,
+    ``current_metric_greater_is_better``) are checked when a hook sets them, so
+    a value that cannot rank checkpoints is refused at the assignment, naming
+    the key and the hook (about 0.1 us per assignment of any key)."""
+
+    def __setitem__(self, key, value):
+        check = _PUBLISHED_KEYS.get(key)
+        if check is not None:
+            check(key, value)
+        dict.__setitem__(self, key, value)
 
 
 def take_published_metric(trainer) -> bool:
@@ -237,7 +346,8 @@ def take_published_metric(trainer) -> bool:
     info = trainer.comm_info
     published = None
     if "current_metric_value" in info:
-        published = (_host_float(info.pop("current_metric_value")), str(info.get("current_metric_name") or "metric"),
+        published = (_host_float(info.pop("current_metric_value"), "trainer.comm_info['current_metric_value']"),
+                     str(info.get("current_metric_name") or "metric"),
                      bool(info.get("current_metric_greater_is_better", True)))
     if comm.get_world_size() > 1:
         published = comm.broadcast_object(published)
@@ -250,6 +360,8 @@ def take_published_metric(trainer) -> bool:
     if metrics.best.name is None:
         metrics.track_best(tag)
     if metrics.best.name != tag:
+        if metrics.latest(tag) == value:  # an evaluation of pimm's own, already on the channel (SemSegEvaluator's)
+            return False
         if not getattr(trainer, "_warned_published_metric", False):
             trainer.logger.warning(f"comm_info['current_metric_name']={name!r}: model_best.pth is already selected by "
                                    f"{metrics.best.name!r}; the published metric is not used for it")

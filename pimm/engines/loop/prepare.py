@@ -8,6 +8,7 @@ each of them can use it."""
 from __future__ import annotations
 
 from pimm.engines.loop.default_hooks import build_run_hooks
+from pimm.engines.run.record_form import note_hook_changes
 from pimm.engines.run.runtime import apply_runtime_defaults, check_required, check_runtime_domains, validate_runtime
 from pimm.utils.config_domains import check_config_domains
 from pimm.utils.config_slots import check_registry_dicts
@@ -30,8 +31,9 @@ def prepare_config(cfg, world_size: int, mode: str = "train") -> list:
     check_runtime_domains(cfg)  # every declared domain, before anything is built
     check_config_domains(cfg)
     hooks = build_run_hooks(cfg)  # default_hooks, then the config's hooks list (docs/hooks.md)
-    for hook in hooks:
-        hook.modify_config(cfg)
+    with note_hook_changes(cfg):  # the run's records hold the config as the hooks received it
+        for hook in hooks:
+            hook.modify_config(cfg)
     validate_runtime(cfg, world_size)
     check_required(cfg, mode)
     return hooks

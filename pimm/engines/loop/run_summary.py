@@ -50,9 +50,24 @@ def resume_command(save_path: str | Path, world_size: int = 1) -> str:
     return f"{_tool('train')} --resume {shlex.quote(str(save_path))}{gpus}"
 
 
-def test_command(save_path: str | Path) -> str:
-    """The command that evaluates the run's best checkpoint on its test split."""
-    return f"{_tool('test')} {shlex.quote(str(save_path))}"
+def test_command(save_path: str | Path, checkpoint: str | None = None) -> str:
+    """The command that evaluates the run on its test split: its best weights
+    (``model/model_best.pth``), or those ``checkpoint`` names (``last``, a
+    checkpoint folder), as ``pimm test --checkpoint`` takes it."""
+    which = f" --checkpoint {shlex.quote(checkpoint)}" if checkpoint else ""
+    return f"{_tool('test')} {shlex.quote(str(save_path))}{which}"
+
+
+def _weights_to_test(save_path: Path, checkpoints: list) -> str | None:
+    """What ``pimm test`` can evaluate in this run: "best" when ``model_best.pth``
+    exists, else "last" for ``model_last.pth``, else the newest committed
+    checkpoint folder; None when the run wrote no weights."""
+    model_dir = save_path / "model"
+    if (model_dir / "model_best.pth").is_file():
+        return "best"
+    if (model_dir / "model_last.pth").is_file():
+        return "last"
+    return str(checkpoints[-1]) if checkpoints else None
 
 
 def plot_command(save_path: str | Path) -> str:
@@ -110,8 +125,9 @@ def end_of_run_summary(trainer, seconds: float) -> list[str]:
     if writer is not None and getattr(writer, "use_wandb", False) and writer.wandb_run_id:
         dashboards.append(f"W&B run {writer.wandb_run_id}")
     lines.append("  dashboards: " + "; ".join(dashboards))
-    if trainer.cfg.get("data", {}).get("test") is not None:
-        lines.append(f"  evaluate: {test_command(save_path)}")
+    weights = _weights_to_test(save_path, checkpoints)
+    if trainer.cfg.get("data", {}).get("test") is not None and weights is not None:
+        lines.append(f"  evaluate: {test_command(save_path, None if weights == 'best' else weights)}")
     lines.append(f"  plot: {plot_command(save_path)}")
     resume = resume_command(save_path, trainer.world_size)
     if trainer.outcome == "completed":

@@ -24,6 +24,10 @@
     pre-empted: raise TrainingPreempted        # the CLI exits 75; a requested stop returns (exit 0)
     Ctrl-C: raise TrainingInterrupted          # the CLI prints the resume command, exits 130
 
+When the run fails, its first error is the one raised: an ``on_exception``
+or ``after_train`` hook that then fails too is logged (its traceback in
+train.log) and the other hooks of that phase still run.
+
 A second Ctrl-C raises KeyboardInterrupt wherever the main thread is: the
 run is ``aborted``, :meth:`abort_saves` abandons the checkpoint in flight
 (never committed), and the CLI exits 130.
@@ -40,7 +44,7 @@ import logging
 import weakref
 
 from pimm.engines.control import StopControl
-from pimm.engines.loop.hook_contract import UpstreamTrainerView
+from pimm.engines.loop.hook_contract import CommInfo, UpstreamTrainerView
 from pimm.engines.hooks.base import PHASES, HookBase, get_priority
 from pimm.engines.observe.metrics import MetricChannel
 from pimm.engines.state.train_state import TrainState
@@ -76,7 +80,7 @@ class TrainerBase(UpstreamTrainerView):
         self.max_epoch = 0
         self.iters_per_epoch = 0
         self.samples_per_step = 0
-        self.comm_info: dict = {"iter_info": ""}
+        self.comm_info: dict = CommInfo(iter_info="")
         self.step_result = None
         self.metrics = MetricChannel()
         self.logger = logging.getLogger("pimm")
@@ -143,6 +147,8 @@ class TrainerBase(UpstreamTrainerView):
             restored = self.restore()
             self.epoch = self.start_epoch = self.train_state.epoch
             self.metrics.step, self.metrics.epoch = self.train_state.global_step, self.train_state.epoch + 1
+            if self.headline_metric[0].startswith("train/"):  # the trainer's own series: no hook may publish it
+                self.metrics.reserve(self.headline_metric[0], f"{type(self).__name__}'s own per-step series")
             if restored:
                 tracer.instant("resume", from_step=self.train_state.global_step)
                 self.call_hooks("after_load_checkpoint")
@@ -166,7 +172,7 @@ class TrainerBase(UpstreamTrainerView):
             self.logger.warning(f"Aborted at epoch {self.epoch + 1}, step {self.global_step}: no new checkpoint "
                                 "(the last committed one stays)")
             self.abort_saves()
-            self.call_hooks("on_exception", exc)
+            self._call_hooks_after_failure("on_exception", exc)
             raise
         except BaseException as exc:
             self.outcome = "failed"
@@ -178,11 +184,14 @@ class TrainerBase(UpstreamTrainerView):
                                   extra=FILE_ONLY)
             if looping:  # a refused start writes nothing into save_path
                 self.report_failure(exc)
-            self.call_hooks("on_exception", exc)
+            self._call_hooks_after_failure("on_exception", exc)
             raise
         finally:
             try:
-                self.call_hooks("after_train")
+                if self.outcome in ("failed", "aborted"):
+                    self._call_hooks_after_failure("after_train")
+                else:
+                    self.call_hooks("after_train")
             finally:
                 tracer.instant("train_end", outcome=self.outcome)
                 self.control.uninstall()
@@ -198,6 +207,20 @@ class TrainerBase(UpstreamTrainerView):
             raise TrainingPreempted(self.control.describe())
         if self.outcome == "interrupted":
             raise TrainingInterrupted(self.control.describe())
+
+    def _call_hooks_after_failure(self, phase: str, *args) -> None:
+        """``phase`` on every hook once the run has failed: the run's first error
+        is the one reported, so a hook that fails too is logged (train.log, with
+        its traceback) and the next hook still runs."""
+        for fn in self._dispatch[phase]:
+            try:
+                fn(*args)
+            except Exception as err:  # noqa: BLE001  (the run's own error is on its way up)
+                hook = getattr(fn, "__self__", None)
+                name = type(hook).__name__ if hook is not None else getattr(fn, "__qualname__", phase)
+                line = f"{name}.{phase} failed too, after the run failed: {type(err).__name__}: {err}"
+                self.logger.warning(f"{line} (traceback in train.log; the run's own error is the one reported)")
+                self.logger.error(line, exc_info=True, extra=FILE_ONLY)
 
     def _stop_kind(self) -> str:
         """The outcome of a stop: "preempted", "interrupted" (Ctrl-C) or "stopped" (a request)."""

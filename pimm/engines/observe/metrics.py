@@ -30,6 +30,14 @@ best value itself lives here too and is saved in every checkpoint.
 Non-finite values of a watched tag (``train/loss`` by default) raise
 :class:`NonFiniteMetric` at the flush that first sees them, before anything
 (a checkpoint included) is written from the broken state.
+
+A trainer reserves the tag of its own per-step series that the console line
+and the end-of-run summary report (:meth:`MetricChannel.reserve`:
+``train/loss``, GRPO's ``train/reward_mean``): it is published once per step,
+densely, by the trainer; anyone else publishing it (a hook's
+``trainer.writer.add_scalar("train/loss", ...)``) is refused at the call
+with one line naming the tag and the hook, so the run's reported loss is
+always the trainer's.
 """
 
 from __future__ import annotations
@@ -41,9 +49,10 @@ from typing import Any, Callable
 
 import torch
 
+from pimm.engines.hooks.base import calling_hook
 from pimm.engines.loop.sync_points import host_sync
 from pimm.utils import comm
-from pimm.utils.errors import ConfigError
+from pimm.utils.errors import ConfigError, UserError
 
 __all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix", "reduce_values"]
 
@@ -137,6 +146,8 @@ class MetricChannel:
         self._windows: dict[str, deque] = defaultdict(lambda: deque(maxlen=window))
         self._directions: dict[str, str] = {}
         self._kinds: dict[str, tuple[bool, str]] = {}  # tag -> (dense, reduce op), as last flushed
+        self._reserved: tuple[str, str] | None = None  # (tag, owner) of the trainer's own series (reserve)
+        self._reserved_step = -1  # the last step it was published at
         self.best = BestMetric()
 
     # -- publishing -----------------------------------------------------
@@ -148,6 +159,12 @@ class MetricChannel:
         mean). ``dense=True`` marks a per-step series: every value goes to
         ``metrics.jsonl``; dashboards get each flushed window's reduction.
         ``log=False`` shares values with other hooks without writing them."""
+        reserved = self._reserved
+        if reserved is not None and reserved[0] in scalars:  # the trainer's own series: once per step, densely
+            at = self.step if step is None else step
+            if not dense or at <= self._reserved_step:
+                self._refuse_reserved(at)
+            self._reserved_step = at
         for name, value in scalars.items():
             if not isinstance(value, torch.Tensor):
                 self._latest[name] = value
@@ -166,6 +183,8 @@ class MetricChannel:
         called on rank 0 only): written as given at the next flush, and never a
         reason to flush by themselves (other ranks have no such record, and a
         flush is a collective)."""
+        if self._reserved is not None and self._reserved[0] in scalars:
+            self._refuse_reserved(self.step if step is None else step)
         for name, value in scalars.items():
             self._latest[name] = value
             self._windows[name].append(value)
@@ -176,6 +195,23 @@ class MetricChannel:
         cheapest :meth:`put` for per-step values."""
         self._latest[name] = value
         self._windows[name].append(value)
+
+    def reserve(self, tag: str, owner: str) -> None:
+        """Reserve ``tag`` for ``owner``'s per-step series (the trainer's headline
+        metric; one tag): from now on it is accepted only published densely, once
+        per step, at increasing steps; any other publication is a UserError
+        naming the hook that made it."""
+        if self._reserved is None or self._reserved[0] != tag:
+            self._reserved_step = -1
+        self._reserved = (tag, owner)
+
+    def _refuse_reserved(self, step: int):
+        tag, owner = self._reserved
+        hook = calling_hook()
+        group, _, name = tag.partition("/")
+        raise UserError(f"{hook or 'a second publisher'}: publishes {tag!r} (at step {step}), which is {owner}: its "
+                        f"curve, the console line and the end-of-run summary report the trainer's value; publish "
+                        f"yours under another name (an epoch average as '{group}_epoch/{name}')")
 
     # -- reading --------------------------------------------------------
     def latest(self, name: str, default: Any = None) -> Any:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
+import math
 import os
 import socket
 import struct
@@ -31,7 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TensorBoardFile"]
+import numpy as np
+
+__all__ = ["TensorBoardFile", "tensorflow_bin_edges"]
 
 
 class TensorBoardFile:
@@ -94,9 +98,15 @@ class TensorBoardFile:
         self.add_summary(image_summary(tag, image, dataformats=dataformats), step)
 
     def add_histogram(self, tag: str, values: Any, step: int, bins: Any = "tensorflow") -> None:
-        """A histogram of ``values`` (tensorboardX's binning)."""
+        """A histogram of ``values``. ``bins`` is numpy's (a count, edges or a rule
+        such as ``"auto"``), or ``"tensorflow"`` (the default of TensorBoard's
+        ``SummaryWriter.add_histogram``): TensorFlow's fixed exponential buckets.
+        The conversion into buckets (``tensorboardX.summary.histogram``) knows only
+        numpy's rules, so that name is resolved here."""
         from tensorboardX.summary import histogram
 
+        if isinstance(bins, str) and bins == "tensorflow":
+            bins = tensorflow_bin_edges()
         self.add_summary(histogram(tag, values, bins), step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
@@ -139,3 +149,12 @@ class TensorBoardFile:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+
+@functools.lru_cache(maxsize=1)
+def tensorflow_bin_edges() -> np.ndarray:
+    """TensorFlow's default histogram bucket edges: ``0`` and ``+-1e-12 * 1.1**k``
+    up to ``1e20``, so one set of buckets fits any magnitude (1549 edges)."""
+    exponents = np.arange(int(math.ceil(math.log(1e32) / math.log(1.1))))
+    positive = 1e-12 * np.power(1.1, exponents)
+    positive = positive[positive < 1e20]
+    return np.concatenate([-positive[::-1], [0.0], positive])

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pimm.utils.errors import ConfigError
+from pimm.utils.redaction import redact_secrets
 
 __all__ = ["WANDB_RESUME_MODES", "STEP_METRIC", "check_wandb_keys", "wandb_init_options", "start_wandb_run",
            "supports_rewind", "WandbRun"]
@@ -135,6 +136,7 @@ def wandb_init_options(cfg, save_path: str | Path, config: dict | None = None) -
             options[arg] = cfg[key]
     if config is not None:
         options["config"] = config
+    options = redact_secrets(options)  # the W&B run keeps its config and notes: no secret goes there
     options[_STEP_OFFSET] = int(cfg.get("log_step_offset") or 0)
     return options
 

@@ -24,11 +24,13 @@ import time
 import traceback
 from pathlib import Path
 
+from pimm.distributed.launch import DEFAULT_TIMEOUT, launch  # noqa: F401  (upstream's pimm.engines.launch.launch)
 from pimm.distributed.spawn import spawn_local
 from pimm.engines.control import ABORT_NOW, STANDARD_PREEMPT, ignore_unhandled_usr1
 from pimm.engines.loop.default_hooks import hook_order_lines
 from pimm.engines.loop.prepare import prepare_config  # noqa: F401  (also importable from here)
 from pimm.engines.registries import TRAINERS
+from pimm.engines.run.record_form import forget_redacted_secrets, record_form, redacted_config
 from pimm.engines.run.resume_config import differences, resume_config
 from pimm.engines.run.run_dir import AttemptRecord, guard_fresh_run, write_config
 from pimm.engines.run.run_records import apply_launch_command
@@ -44,7 +46,7 @@ from pimm.utils.run_lock import RunLock
 from pimm.engines.run.launch_args import (_config_source, _failure_line, _os_error, _parser,  # noqa: F401
                                           _report_error, _strip_num_gpus)
 
-__all__ = ["main", "load_config", "prepare_config", "build_trainer", "build_tester"]
+__all__ = ["main", "load_config", "prepare_config", "build_trainer", "build_tester", "launch", "DEFAULT_TIMEOUT"]
 
 
 def load_config(config_file: str, options: list[str], world_size: int, mode: str = "train",
@@ -58,6 +60,7 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
     apply_runtime_defaults(cfg)
     cfg.merge_from_options(options)
     cfg.set_command_options(options)
+    forgotten = forget_redacted_secrets(cfg)  # a record's "<redacted>" is never used as the secret
     apply_launch_command(cfg)  # PIMM_LAUNCH_COMMAND, when the config names none
     hooks = prepare_config(cfg, world_size, mode)  # the command line itself must be valid, resume or not
     record = None
@@ -65,15 +68,21 @@ def load_config(config_file: str, options: list[str], world_size: int, mode: str
         resumed, record, note = resume_config(config_file, options, cfg, apply_runtime_defaults)
         if record is not None:
             cfg = resumed
+            forgotten = forget_redacted_secrets(cfg)
             apply_launch_command(cfg)
             hooks = prepare_config(cfg, world_size, mode)
+    lines = []
     if record is not None:
         # The file ignored or the options applied again, then every difference from the record: once, in the log.
-        changed = differences(record, cfg)
-        lines = [f"Resuming {cfg.save_path}: {note}"] if note else []
+        changed = differences(record, record_form(cfg))
+        lines += [f"Resuming {cfg.save_path}: {note}"] if note else []
         if changed:
             lines.append("the config differs from the run's record in: " + "; ".join(changed))
-        object.__setattr__(cfg, "_resume_note", "; ".join(lines) or None)
+    if forgotten:
+        lines.append(f"{', '.join(forgotten)}: a secret, never recorded (\"<redacted>\"); left unset, so the hook's "
+                     "default applies (PushToHub: the HF_TOKEN environment variable or the stored login); give it "
+                     "again with --options KEY=VALUE to use another (docs/security.md)")
+    object.__setattr__(cfg, "_resume_note", "; ".join(lines) or None)
     if mode == "train" and check_save_path:
         guard_fresh_run(cfg)
     elif mode == "test" and not cfg.weight:
@@ -170,21 +179,26 @@ def _lost_lock() -> str | None:
     return next((lock.lost for lock in list(_LOCKS) if lock.lost), None)
 
 
-def _take_run_lock(cfg, lock: list) -> None:
+def _take_run_lock(cfg, lock: list, mode: str = "train") -> None:
     """One run per save_path: rank 0 holds the lock for the run's life (a
     ``--num-gpus`` parent already holds it for its ranks); every rank learns
-    whether it was granted, so all stop together when it was not."""
+    whether it was granted, so all stop together when it was not. A test
+    (``mode="test"``) writes ``test.log`` and ``test_metrics.json`` into its
+    save_path, so it takes the same lock: never into a run that is training."""
     error = None
     if comm.get_rank() == 0 and not os.environ.get("PIMM_RUN_LOCK_HELD"):
         try:
             lock.append(RunLock(cfg.save_path, on_lost=_stop_writing).acquire())
             _LOCKS[:] = lock
         except UserError as err:
-            error = str(err)
+            error = str(err) if mode == "train" else (
+                f"{err} (a test writes test.log and test_metrics.json there: --options save_path=DIR tests into "
+                "another directory)")
     error = comm.broadcast_object(error)
     if error is not None:
         raise UserError(error if comm.get_rank() == 0 else "rank 0 could not lock save_path (see its error)")
-    guard_fresh_run(cfg)
+    if mode == "train":
+        guard_fresh_run(cfg)
 
 
 def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int:
@@ -197,6 +211,8 @@ def _run_in_process_group(args, mode: str, attempt_box: list, lock: list) -> int
         if not cfg.weight:
             raise ConfigError("test_only=True scores weights on data.test: give them with weight=PATH")
         mode = "test"
+    if mode == "test":
+        _take_run_lock(cfg, lock, mode)
     if mode == "train":
         _resume_after_elastic_restart(cfg)
         _take_run_lock(cfg, lock)
@@ -270,7 +286,7 @@ def _print_config(args, mode: str) -> int:
     cfg, hooks = load_config(*_config_source(args), args.num_gpus, mode, check_save_path=False)
     if cfg.__dict__.get("_resume_note"):
         print(f"# {cfg.__dict__['_resume_note']}", file=sys.stderr)
-    sys.stdout.write(cfg.dump())
+    sys.stdout.write(redacted_config(cfg).dump())  # secrets redacted: a printed config gets pasted
     sys.stdout.write("\n# The hooks this run registers, in the order they run (priority, then default_hooks "
                      "before the hooks list):\n")
     sys.stdout.write("".join(f"#   {line.rstrip()}\n" for line in hook_order_lines(hooks)) or "#   (none)\n")

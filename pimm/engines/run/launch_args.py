@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser(mode: str) -> _Parser:
     parser = _Parser(prog=f"tools/{mode}.py", description=f"pimm {mode}")
     parser.add_argument("--config-file", metavar="CFG",
-                        help="Python config file" + (" (required unless --resume RUN_DIR)" if mode == "train" else
+                        help="Python config file (pimm://NAME: one shipped in the package)" + (" (required unless --resume RUN_DIR)" if mode == "train" else
                                                      " with --options weight=PATH (or give RUN_DIR instead)"))
     if mode == "test":
         parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR",

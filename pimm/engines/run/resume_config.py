@@ -34,6 +34,7 @@ from pathlib import Path
 
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError, UserError
+from pimm.utils.redaction import is_secret_key
 
 __all__ = ["RECORD", "recorded_config", "resume_config", "run_dir_options", "differences"]
 
@@ -131,11 +132,13 @@ def _still_standing(earlier: list[str], now: list[str]) -> list[str]:
 
 
 def differences(record, resumed, limit: int = 12) -> list[str]:
-    """``key: run value -> now`` for each key where ``resumed`` differs from the record."""
+    """``key: run value -> now`` for each key where ``resumed`` differs from the
+    record (secrets, never recorded, are no difference and never shown)."""
     from pimm.engines.state.restore import flatten_config
 
     def flat(cfg):
-        return {k: v for k, v in flatten_config(cfg).items() if k.split(".")[0] not in _LOCAL_KEYS}
+        return {k: v for k, v in flatten_config(cfg).items()
+                if k.split(".")[0] not in _LOCAL_KEYS and not is_secret_key(k)}
 
     ours, theirs = flat(record), flat(resumed)
     keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))

@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from pimm.engines.run.record_form import record_form, without_secrets
 from pimm.engines.run.run_records import write_run_records
 from pimm.utils.errors import ConfigError, UserError
 from pimm.utils.files import append_jsonl, read_jsonl, set_aside
+from pimm.utils.redaction import redact_command, redact_secrets
 
 __all__ = ["guard_fresh_run", "write_config", "AttemptRecord", "ATTEMPTS_FILE", "test_source", "CHECKPOINT_CHOICES"]
 
@@ -61,8 +63,9 @@ def guard_fresh_run(cfg) -> None:
 
 
 def write_config(cfg) -> Path:
-    """Write the resolved config to ``save_path/config.py`` (rank 0), and beside it
-    upstream's ``resolved_config.json`` / ``run_metadata.json``
+    """Write the config's record (:func:`~pimm.engines.run.record_form.record_form`:
+    as the hooks received it, no secrets) to ``save_path/config.py`` (rank 0), and
+    beside it upstream's ``resolved_config.json`` / ``run_metadata.json``
     (:mod:`pimm.engines.run.run_records`). A resume of the same run rewrites it in
     place; any other difference keeps the earlier file beside it."""
     from pimm.utils.config import Config
@@ -75,36 +78,29 @@ def write_config(cfg) -> Path:
                           "directory") from None
     if not os.access(path.parent, os.W_OK):
         raise ConfigError(f"save_path={cfg.save_path!r} is not writable: choose a writable directory")
+    record = record_form(cfg)
     if path.exists():
         try:
             earlier = Config.fromfile(str(path))
         except UserError:
             earlier = {}
         # A resume (or a run directory that was moved) is the same run: only
-        # another config sets the earlier record aside.
+        # another config sets the earlier record aside. Secrets are in no record.
         local = ("resume", "save_path", "launch_command", "trust_checkpoint_code")
-        if {k: v for k, v in earlier.items() if k not in local} == {k: v for k, v in cfg.items() if k not in local}:
-            _dump_record(cfg, path, same_run=True)
+        if without_secrets({k: v for k, v in earlier.items() if k not in local}) == \
+                without_secrets({k: v for k, v in record.items() if k not in local}):
+            _dump_record(record, path, same_run=True)
             return path
         set_aside(path)
-    _dump_record(cfg, path, same_run=False)
+    _dump_record(record, path, same_run=False)
     return path
 
 
-def _dump_record(cfg, path: Path, same_run: bool) -> None:
-    """Write ``cfg`` to ``path`` and the run records beside it (resolved_config.json,
-    run_metadata.json: upstream's names) without ``trust_checkpoint_code``: trusting
-    one checkpoint's code is a decision of one invocation, never inherited by a
-    later resume (docs/security.md)."""
-    trusted = cfg.get("trust_checkpoint_code", False)
-    if trusted:
-        cfg.trust_checkpoint_code = False
-    try:
-        cfg.dump(str(path))
-        write_run_records(cfg, same_run=same_run)
-    finally:
-        if trusted:
-            cfg.trust_checkpoint_code = trusted
+def _dump_record(record, path: Path, same_run: bool) -> None:
+    """Write ``record`` to ``path`` and the run records beside it (resolved_config.json,
+    run_metadata.json: upstream's names)."""
+    record.dump(str(path))
+    write_run_records(record, same_run=same_run)
 
 
 def _git_info(root: Path | None = None) -> dict | None:
@@ -213,7 +209,7 @@ class AttemptRecord:
         self.start_time = time.time()
         record = {
             "event": "start", "attempt": self.attempt, "mode": self.mode, "time": self.start_time,
-            "command": [sys.executable, *sys.argv], "cwd": os.getcwd(), "host": socket.gethostname(),
+            "command": redact_command([sys.executable, *sys.argv]), "cwd": os.getcwd(), "host": socket.gethostname(),
             "pid": os.getpid(), "world_size": self.world_size, "devices": _devices(),
             "pimm_version": getattr(pimm, "__version__", "?"), "git": _git_info(), "versions": _versions(),
             "job": {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_TASK_ID",
@@ -229,7 +225,7 @@ class AttemptRecord:
             return
         now = time.time()
         self._append({"event": "end", "attempt": self.attempt, "mode": self.mode, "time": now,
-                      "duration_s": round(now - self.start_time, 3), "exit_reason": exit_reason,
+                      "duration_s": round(now - self.start_time, 3), "exit_reason": redact_secrets(exit_reason),
                       "exit_code": exit_code})
 
     def summary(self, record: dict) -> str:

@@ -15,7 +15,11 @@
   run's notes.
 
 A record that a different config would overwrite is kept aside as
-``name.prevN.json``, like ``config.py``.
+``name.prevN.json``, like ``config.py``. No record holds a secret
+(:mod:`pimm.utils.redaction`): the config handed in is already the record's
+form (:func:`~pimm.engines.run.record_form.record_form`), and the command
+lines and options are redacted here; so is ``PIMM_LAUNCH_COMMAND`` when it
+becomes the config's ``launch_command``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from pimm.utils.config_dict import to_plain
 from pimm.utils.config_options import parse_options
 from pimm.utils.files import set_aside
+from pimm.utils.redaction import redact_command, redact_secrets
 
 __all__ = ["LAUNCH_COMMAND_ENV", "RESOLVED_CONFIG", "MODEL_CONFIG", "RUN_METADATA", "apply_launch_command",
            "write_run_records"]
@@ -42,10 +47,11 @@ RUN_METADATA = "run_metadata.json"
 
 
 def apply_launch_command(cfg) -> None:
-    """``launch_command`` from ``PIMM_LAUNCH_COMMAND`` when the config leaves it unset."""
+    """``launch_command`` from ``PIMM_LAUNCH_COMMAND`` when the config leaves it
+    unset, its secrets redacted (it is shown and recorded, never run)."""
     command = os.environ.get(LAUNCH_COMMAND_ENV, "").strip()
     if command and cfg.get("launch_command") is None:
-        cfg["launch_command"] = command
+        cfg["launch_command"] = redact_secrets(command)
 
 
 def _json_text(payload) -> str:
@@ -86,7 +92,8 @@ def _plain_config(cfg) -> dict:
 def write_run_records(cfg, same_run: bool) -> None:
     """Write the records of the module docstring into ``cfg.save_path`` (rank 0,
     right after ``config.py``). ``same_run``: ``config.py`` was rewritten in place
-    (a resume); otherwise earlier records are set aside."""
+    (a resume); otherwise earlier records are set aside. ``cfg``: the record's
+    form of the config (no secrets)."""
     root = Path(cfg.save_path)
     plain = _plain_config(cfg)
     _write(root / RESOLVED_CONFIG, _json_text(plain), same_run)
@@ -97,13 +104,13 @@ def write_run_records(cfg, same_run: bool) -> None:
     config_file = cfg.filename if hasattr(cfg, "filename") else None
     metadata = {
         "created_at": datetime.now(timezone.utc).isoformat(),
-        "launch_command": cfg.get("launch_command") or os.environ.get(LAUNCH_COMMAND_ENV),
-        "command": list(sys.argv),
+        "launch_command": redact_secrets(cfg.get("launch_command") or os.environ.get(LAUNCH_COMMAND_ENV)),
+        "command": redact_command(list(sys.argv)),
         "cwd": os.getcwd(),
         "host": socket.gethostname(),
         "config_file": config_file,
         "config_file_abs": os.path.abspath(config_file) if config_file else None,
-        "cli_options": to_plain(parsed),
+        "cli_options": redact_secrets(to_plain(parsed)),
         "cli_option_keys": sorted(parsed),
         "save_path": str(cfg.save_path),
         "resume": bool(cfg.get("resume")),

@@ -61,7 +61,8 @@ class CheckpointLoading:
         except UnsafeCheckpointError as err:
             return None, str(err), str(err)
         except Exception as err:  # a damaged file may fail in many ways
-            return None, str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}", None
+            said = isinstance(err, (ValueError, CheckpointError))  # their message names the file and the damage
+            return None, str(err) if said else f"{type(err).__name__}: {err}", None
 
     @staticmethod
     def _refusal(refused: str | None) -> str:

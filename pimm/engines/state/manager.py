@@ -333,7 +333,7 @@ class CheckpointManager(CheckpointLoading):
             self.logger.warning(
                 f"Checkpoint participant {name!r} saves {', '.join(refused)} in {path.name}, which a resume loads only "
                 "with trust_checkpoint_code=True: its state_dict() should return plain data (tensors, numbers, "
-                "strings, lists, dicts; e.g. float(x) for a NumPy scalar)")
+                "strings, lists, tuples, dicts; a hook's NumPy arrays and scalars and deques are kept as data too)")
 
     def _move_aside(self, path: Path) -> Path:
         index = 1

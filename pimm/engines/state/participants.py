@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from pimm.engines.run.data import train_sampler
+from pimm.engines.state.plain_values import decode, encode
+from pimm.engines.state.renamed_weights import upgrade_model_state
 from pimm.engines.state.train_state import LAYOUT_FIELDS, TrainState
 from pimm.engines.state.weight_file import strip_wrapper_prefixes
 from pimm.utils.errors import CheckpointError, ConfigError
@@ -120,6 +122,11 @@ class ModelParticipant:
         # pimm saves the plain module; a file written through a compiled or DDP
         # wrapper by other code still fits.
         state = {strip_wrapper_prefixes(k): v for k, v in state.items()}
+        state, renamed = upgrade_model_state(self.model, state)  # a checkpoint in the model's older names
+        if renamed is not None:
+            context.renamed_parameters = renamed
+            context.note(f"{context.path.name}: weights saved under {type(self.model).__name__}'s older parameter "
+                         "names, taken under the current ones")
         own = self.model.state_dict()
         check_model_fits(self.model, {k: tuple(v.shape) for k, v in own.items()},
                          {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in state.items()}, context)
@@ -151,6 +158,8 @@ class OptimizerParticipant:
                 f"checkpoint {context.path.name} has {len(saved_groups)} optimizer param groups, the config builds "
                 f"{len(configured)} (param_dicts changed?): resume with the original optimizer config"
             )
+        if getattr(context, "renamed_parameters", None) is not None:  # the moments follow their parameters
+            state = context.renamed_parameters.optimizer_state(self.optimizer, state)
         try:
             self.optimizer.load_state_dict(state)
         except (ValueError, KeyError) as err:
@@ -259,8 +268,9 @@ class HooksParticipant:
         self.trainer = trainer
 
     def state_dict(self) -> list:
-        """Every hook's ``state_dict()`` with its type, in priority order."""
-        return [{"type": type(h).__name__, "state": h.state_dict()} for h in self.trainer.hooks]
+        """Every hook's ``state_dict()`` with its type, in priority order (NumPy
+        values and deques as plain data: :mod:`pimm.engines.state.plain_values`)."""
+        return [{"type": type(h).__name__, "state": encode(h.state_dict())} for h in self.trainer.hooks]
 
     def restore(self, states: list | None, context) -> None:
         """Each hook's ``load_state_dict``, matched by position and type (by type in
@@ -281,10 +291,10 @@ class HooksParticipant:
             for hook in hooks:
                 queue = by_type.get(type(hook).__name__)
                 if queue:
-                    hook.load_state_dict(queue.pop(0))
+                    hook.load_state_dict(decode(queue.pop(0), f"{context.path.name}: hook {type(hook).__name__}"))
             return
         for hook, s in zip(hooks, states):
-            hook.load_state_dict(s["state"])
+            hook.load_state_dict(decode(s["state"], f"{context.path.name}: hook {type(hook).__name__}"))
 
 
 class LoaderParticipant:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from pimm.engines.state.manager import CheckpointManager, LoadedCheckpoint
 from pimm.utils.errors import CheckpointError
+from pimm.utils.redaction import REDACTED, is_secret_key, redact_secrets
 
 __all__ = ["RestoreContext", "restore_latest", "restore_loaded", "flatten_config", "describe_config_changes"]
 
@@ -51,6 +52,9 @@ class RestoreContext:
         self.overridden: list[str] = []  # "what: checkpoint -> config"
         self.inexact_parts: list[str] = []
         self.notes: list[str] = []
+        # set by the model's participant when the checkpoint used the model's older
+        # parameter names (pimm.engines.state.renamed_weights); the optimizer's follows it
+        self.renamed_parameters = None
         self._rank0: dict | None = None
 
     def config_wins(self, what: str, saved, configured) -> None:
@@ -123,15 +127,18 @@ def restore_loaded(manager: CheckpointManager, loaded: LoadedCheckpoint, world_s
 
 
 def flatten_config(cfg, prefix: str = "") -> dict[str, str]:
-    """``{dotted.key: repr(value)}`` — strings only, so it loads with weights_only."""
+    """``{dotted.key: repr(value)}`` — strings only, so it loads with weights_only;
+    secrets redacted (it is saved in every checkpoint)."""
     flat = {}
     items = cfg.items() if isinstance(cfg, dict) else enumerate(cfg)
     for key, value in items:
         path = f"{prefix}{key}"
         if isinstance(value, dict) or (isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value)):
             flat.update(flatten_config(value, path + "."))
+        elif isinstance(value, str) and is_secret_key(key) and value:
+            flat[path] = repr(REDACTED)
         else:
-            flat[path] = repr(value)
+            flat[path] = repr(redact_secrets(value))
     return flat
 
 

@@ -30,6 +30,7 @@ state (param-group settings) with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -43,8 +44,9 @@ import torch
 
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["ALLOWED_TYPES", "UnsafeCheckpointError", "load_state_file", "non_data_parts", "offending_global",
-           "read_dcp_metadata",
+__all__ = ["ALLOWED_TYPES", "UnsafeCheckpointError", "NotACheckpointError", "load_state_file", "non_data_parts",
+           "offending_global",
+           "read_dcp_metadata", "dcp_failure",
            "safe_file_system_reader", "safe_load_planner", "TRUST_HINT"]
 
 # pimm's own types a checkpoint may hold (each one reviewed: building it runs no
@@ -72,6 +74,40 @@ class UnsafeCheckpointError(CheckpointError):
             f"strings, lists, dicts), never code; nothing in it was loaded or run.{opt_in}")
 
 
+class NotACheckpointError(CheckpointError):
+    """A file read back as a checkpoint is not one torch wrote whole: empty,
+    text, truncated or foreign (``reason`` says which). torch's own message
+    is not relayed: for such a file it advises loading with the full
+    unpickler, which cannot help and would run whatever the file holds."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"{path} is not a checkpoint: {reason}; nothing in it was loaded")
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
+
+
+def _what_it_is(path: Path) -> str:
+    """Why ``path`` is not a readable torch file, from its first bytes."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(512)
+    except OSError as err:
+        return f"it cannot be read ({err.strerror or err})"
+    if not head:
+        return "the file is empty"
+    if head.startswith(_ZIP_MAGIC):
+        return "its archive is damaged (truncated or corrupted: a partial copy or a full disk?)"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(ch.isprintable() or ch in "\n\r\t" for ch in text):
+        return "it is a text file"
+    return "it is not a file written by torch.save"
+
+
 def offending_global(err: BaseException) -> str | None:
     """The global (``module.name``) a weights-only load refused, from torch's message; None if it names none."""
     match = _GLOBAL.search(str(err))
@@ -87,10 +123,12 @@ def load_state_file(path: str | Path, trust_code: bool = False, logger: logging.
     try:
         with torch.serialization.safe_globals(list(ALLOWED_TYPES)):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        name = offending_global(err)
+    except OSError:
+        raise  # no such file, a directory, no permission: the caller names it
+    except Exception as err:  # a damaged or foreign file fails in many ways (KeyError, EOFError, RuntimeError...)
+        name = offending_global(err) if isinstance(err, pickle.UnpicklingError) else None
         if name is None:
-            raise  # not a refused type: a damaged file, reported by the caller as such
+            raise NotACheckpointError(path, _what_it_is(path)) from None
         if not trust_code:
             raise UnsafeCheckpointError(path, name, trust_hint) from None
     (logger or logging.getLogger("pimm")).warning(
@@ -184,11 +222,39 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(self.path, "a persistent reference", trust_hint=None)
 
 
+_DAMAGED_ADVICE = ("nothing was loaded; use an earlier checkpoint of the run (resume='<its folder>', or "
+                   "weight=<its folder>)")
+
+
 def read_dcp_metadata(folder: str | Path):
     """DCP's ``.metadata`` of ``folder``, read without running code."""
     path = Path(folder) / ".metadata"
     with open(path, "rb") as fh:
-        return _MetadataUnpickler(io.BytesIO(fh.read()), path).load()
+        data = fh.read()
+    try:
+        return _MetadataUnpickler(io.BytesIO(data), path).load()
+    except CheckpointError:
+        raise
+    except Exception as err:  # truncated or overwritten: unpickling fails in many ways
+        raise CheckpointError(f"{path} is damaged: Distributed Checkpoint's metadata cannot be read "
+                              f"({type(err).__name__}); {_DAMAGED_ADVICE}") from None
+
+
+def dcp_failure(err: BaseException, folder: str | Path) -> CheckpointError:
+    """The one-line error for DCP's ``CheckpointException`` (a BaseException
+    holding each rank's exception and traceback): the first rank's own
+    CheckpointError when it raised one, else one naming ``folder``."""
+    failures = [cause for cause, _ in getattr(err, "failures", {}).values()]
+    for cause in failures:
+        if isinstance(cause, CheckpointError):
+            return cause
+    if failures and all(isinstance(cause, AssertionError) for cause in failures):
+        first = str(failures[0]).strip().splitlines()[0] if str(failures[0]).strip() else "a piece does not fit"
+        return CheckpointError(f"{folder}: the sharded checkpoint does not fit what it is loaded into ({first}); "
+                               "load it with the model and optimizer config that wrote it")
+    causes = {type(cause).__name__ for cause in failures} or {type(err).__name__}
+    return CheckpointError(f"{folder}: the sharded checkpoint cannot be read ({', '.join(sorted(causes))}); "
+                           + _DAMAGED_ADVICE)
 
 
 def safe_file_system_reader(folder: str | Path):
@@ -205,6 +271,29 @@ def safe_file_system_reader(folder: str | Path):
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def read_data(self, plan, planner):
+            """DCP's read, naming the shard file that cannot be read (DCP's own error names none)."""
+            opened: list = []
+            create_stream = self.fs.create_stream
+
+            @contextlib.contextmanager
+            def tracked(path, mode):
+                opened.append(path)
+                with create_stream(path, mode) as stream:
+                    yield stream
+
+            self.fs.create_stream = tracked
+            try:
+                return super().read_data(plan, planner)
+            except (CheckpointError, AssertionError):  # DCP asserts that a saved piece fits its place
+                raise
+            except Exception as err:  # a truncated or overwritten shard fails in torch.load in many ways
+                where = opened[-1] if opened else folder
+                raise CheckpointError(f"{where} is damaged: this shard of the sharded checkpoint cannot be read "
+                                      f"({type(err).__name__}); {_DAMAGED_ADVICE}") from None
+            finally:
+                del self.fs.create_stream
 
     return SafeFileSystemReader(str(folder))
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pimm.engines.state.participants import check_model_fits
-from pimm.engines.state.safe_load import read_dcp_metadata, safe_file_system_reader, safe_load_planner
+from pimm.engines.state.safe_load import dcp_failure, read_dcp_metadata, safe_file_system_reader, safe_load_planner
 from pimm.utils.errors import CheckpointError
 
 __all__ = ["SHARDED_DIR", "save_sharded", "sharded_loader", "saved_structure", "ShardedModelParticipant",
@@ -76,10 +76,14 @@ def sharded_loader(folder: Path, name: str) -> Callable[[dict], None]:
     saved under ``name``) from the checkpoint, in place (a collective). Every
     file is read as data (:mod:`pimm.engines.state.safe_load`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     def load(template: dict) -> None:
-        with _quiet_single_process():
-            dcp.load({name: template}, storage_reader=safe_file_system_reader(folder), planner=safe_load_planner())
+        try:
+            with _quiet_single_process():
+                dcp.load({name: template}, storage_reader=safe_file_system_reader(folder), planner=safe_load_planner())
+        except CheckpointException as err:  # a BaseException: it would pass every `except Exception` on its way
+            raise dcp_failure(err, folder) from None
     return load
 
 

@@ -10,10 +10,16 @@ from pathlib import Path
 
 import torch
 
-from pimm.engines.state.safe_load import UnsafeCheckpointError, load_state_file
+from pimm.engines.state.safe_load import NotACheckpointError, UnsafeCheckpointError, load_state_file
 from pimm.utils.errors import CheckpointError
 
-__all__ = ["read_weights", "strip_wrapper_prefixes"]
+__all__ = ["read_weights", "strip_wrapper_prefixes", "refuse_non_finite", "CONVERT_HINT"]
+
+# What really loads an old checkpoint folder that holds more than data as weights: train.py's
+# trust_checkpoint_code covers resume and fork only, and no weight= flag exists.
+CONVERT_HINT = ("if you wrote it yourself with a pimm from before checkpoints were loaded as data, convert it once "
+                "(python tools/convert_checkpoint.py {source} OUT.pth --trust-checkpoint-code; that runs whatever it "
+                "contains) and give weight=OUT.pth")
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -38,6 +44,10 @@ def read_weights(path: str | Path) -> dict:
         raise CheckpointError(f"weight={str(path)!r} refused: it refers to {err.global_name}, and a weight "
                               "file may hold only tensors and plain data, never code; nothing in it was loaded or "
                               "run (tools/convert_checkpoint.py writes a plain weight file from a checkpoint)") from None
+    except NotACheckpointError as err:
+        raise CheckpointError(f"weight={str(path)!r} is not a torch weight file: {err.reason}; give a .pth written "
+                              "by torch.save (a run's model/model_best.pth), a .safetensors file, a run, checkpoint "
+                              "or export folder") from None
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else ""
         raise CheckpointError(f"weight={str(path)!r} cannot be read as a torch weight file "
@@ -50,3 +60,21 @@ def read_weights(path: str | Path) -> dict:
             return obj
     raise CheckpointError(f"weight={str(path)!r} holds no model weights (expected a state_dict or a dict with "
                           "'state_dict' or 'model')")
+
+
+def refuse_non_finite(state: dict, what: str) -> None:
+    """A CheckpointError naming the tensors of ``state`` that hold NaN or
+    infinite values (``what``: the weights as the user named them). Such
+    weights come from a run that diverged or a damaged file, and a model
+    built from them only ever outputs NaN: loading them silently would hide
+    that until every score is NaN."""
+    bad = [key for key, value in state.items()
+           if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+           and not bool(torch.isfinite(value).all())]
+    if bad:
+        first = state[bad[0]]
+        count = int((~torch.isfinite(first)).sum())
+        more = f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{what}: {bad[0]} holds {count} NaN or infinite value(s) of {first.numel()}{more}; "
+                              "these weights come from a run that diverged or a damaged file: nothing was loaded "
+                              "(use an earlier checkpoint of the run)")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pimm.engines.state.renamed_weights import upgrade_model_state
 from pimm.engines.state.weight_file import read_weights, strip_wrapper_prefixes
 from pimm.engines.state.weight_source import read_state_dict, resolve_weight_source
 from pimm.utils import comm
@@ -55,6 +56,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, key_map: list | tuple
                 key = new + key[len(old):]
                 break
         renamed[key] = tensor
+    renamed, _ = upgrade_model_state(model, renamed)  # a file in the model's older parameter names
     own = model.state_dict()
     mismatched = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in renamed.items()
                   if k in own and own[k].shape != v.shape]

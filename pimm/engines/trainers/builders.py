@@ -36,8 +36,10 @@ class ComponentBuilders:
 
     #: The collate function when the config names none (``train.collate_fn`` /
     #: ``val_collate_fn``): a ``COLLATE_FNS`` name, or None for the data set's
-    #: ``collate_fn`` attribute, else torch's default collate. A class attribute,
-    #: so the Tester of a trainer class collates as that trainer does.
+    #: ``collate_fn`` attribute, else the ``fallback_collate_fn`` a domain
+    #: package registers (pimm.datasets: point events concatenated, as
+    #: upstream's trainer batches every data set), else torch's default collate.
+    #: A class attribute, so the Tester of a trainer class collates as that trainer does.
     default_collate_fn: str | None = None
 
     def build_model(self) -> torch.nn.Module:
@@ -90,7 +92,7 @@ class ComponentBuilders:
     def _resolve_collate(self, spec, dataset):
         spec = self.default_collate_fn if spec is None else spec
         if spec is None:
-            return getattr(dataset, "collate_fn", None) or default_collate
+            return getattr(dataset, "collate_fn", None) or COLLATE_FNS.find("fallback_collate_fn") or default_collate
         if spec == "default_collate":
             return default_collate
         if isinstance(spec, str):

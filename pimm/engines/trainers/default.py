@@ -48,7 +48,8 @@ class DefaultTrainer(Checkpointing, ComponentBuilders, Evaluation, TrainerBase):
 
     collate_fn / val_collate_fn: a name in ``COLLATE_FNS`` or ``dict(type=name, **kwargs)``;
         default: the class's ``default_collate_fn``, else the data set's ``collate_fn``
-        attribute, else torch's default collate.
+        attribute, else ``COLLATE_FNS["fallback_collate_fn"]`` when registered, else torch's
+        default collate.
     iters_per_epoch: epoch length for iterable data sets (map-style: derived).
     find_unused_parameters: passed to DDP.
     stop_check_every: steps between the cross-rank checks for pre-emption signals

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from pimm.engines.state.participants import LoaderParticipant
+from pimm.utils import comm
 from pimm.utils.errors import CheckpointError
 
 __all__ = ["RolloutCache", "RolloutLoaderParticipant"]
@@ -68,19 +69,30 @@ def _trusted_class(name: str, modules: tuple[str, ...]) -> type:
     return cls
 
 
-def _rebuild(obj, device, modules: tuple[str, ...]):
+class DamagedRecord(CheckpointError):
+    """A GRPO rollout record in a checkpoint is not what :func:`_plain` writes."""
+
+
+def _rebuild(obj, device, modules: tuple[str, ...], where: str = "rollout"):
     """:func:`_plain`'s result back: tensors on ``device``, objects rebuilt
-    (``object.__new__`` and their attributes: no ``__init__`` runs)."""
+    (``object.__new__`` and their attributes: no ``__init__`` runs). A record
+    that :func:`_plain` cannot have written is a :class:`DamagedRecord` naming
+    where in the rollout it is (``where``)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, dict) and _OBJECT in obj:
-        rebuilt = object.__new__(_trusted_class(str(obj[_OBJECT]), modules))
-        rebuilt.__dict__.update(_rebuild(obj["attrs"], device, modules))
+        name, attrs = obj[_OBJECT], obj.get("attrs")
+        if not isinstance(name, str) or ":" not in name or set(obj) != {_OBJECT, "attrs"} or \
+                not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
+            raise DamagedRecord(f"the object record at {where} is damaged (it needs {_OBJECT!r} = 'module:class' "
+                                "and 'attrs', a dict of attribute names)")
+        rebuilt = object.__new__(_trusted_class(name, modules))
+        rebuilt.__dict__.update(_rebuild(attrs, device, modules, f"{where}.{name.partition(':')[2]}"))
         return rebuilt
     if isinstance(obj, dict):
-        return {k: _rebuild(v, device, modules) for k, v in obj.items()}
+        return {k: _rebuild(v, device, modules, f"{where}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(v, device, modules) for v in obj)
+        return type(obj)(_rebuild(v, device, modules, f"{where}[{i}]") for i, v in enumerate(obj))
     return _move(obj, device)  # a checkpoint from before states were plain (trust_checkpoint_code)
 
 
@@ -116,16 +128,36 @@ class RolloutCache:
     def load_state_dict(self, state: dict) -> None:
         """Restore the rollout onto this trainer's device (refused when the
         checkpoint counted steps otherwise: its step numbers mean other things)."""
+        if not isinstance(state, dict) or "rollout" not in state or "history" not in state:
+            raise DamagedRecord("the GRPO rollout record is damaged (it needs 'rollout' and 'history')")
         saved = state.get("step_per", "update")
         if saved != self.step_per:
             raise CheckpointError(f"this run was checkpointed with train.step_per={saved!r} and resumes with "
                                   f"{self.step_per!r}: its step numbers, epoch length and data position count "
                                   f"differently; resume with step_per={saved!r}")
+        history = state["history"]
+        try:
+            counts = [int(state.get(key, 0)) for key in ("all_nan_run", "useless_run")]  # absent from older ones
+        except (TypeError, ValueError):
+            counts = [-1]
+        if not isinstance(history, (list, tuple)) or min(counts) < 0:
+            raise DamagedRecord("the GRPO rollout record is damaged ('history' must be a list, 'all_nan_run' and "
+                                "'useless_run' counts)")
         self.rollout = _rebuild(state["rollout"], self.device, self.trusted_modules)
-        self.history = _rebuild(list(state["history"]), self.device, self.trusted_modules)
-        self.all_nan_run = int(state.get("all_nan_run", 0))  # absent from older checkpoints
-        self.useless_run = int(state.get("useless_run", 0))
+        self.history = _rebuild(list(history), self.device, self.trusted_modules, "history")
+        self.all_nan_run, self.useless_run = counts
         self.batch = None
+
+    def restore(self, state, context) -> None:
+        """:meth:`load_state_dict` as a checkpoint participant (per rank): a
+        damaged record is one line naming the checkpoint file and what to do."""
+        if state is None:
+            return
+        try:
+            self.load_state_dict(state)
+        except DamagedRecord as err:
+            raise CheckpointError(f"{context.path / f'rank{comm.get_rank():05d}.pth'}: {err}; nothing was resumed: "
+                                  "resume from an earlier checkpoint (resume='<its folder>')") from None
 
 
 class RolloutLoaderParticipant(LoaderParticipant):

@@ -17,7 +17,7 @@ loss): ``docs/models.md``.
 
 from __future__ import annotations
 
-from .base import LOSSES, Criteria, build_criteria
+from .base import LOSSES, Criteria, CriteriaFitLogits, build_criteria
 from .classification import BinaryFocalLoss, CrossEntropyHeadLoss, CrossEntropyLoss, FocalLoss, SmoothCELoss
 from .dice import DiceLoss
 from .instance_query import FastInstanceSegmentationLoss, FastInstanceSegmentationRegressionLoss
@@ -25,7 +25,7 @@ from .instance_unified import FastUnifiedInstanceLoss
 from .lovasz import LovaszLoss, lovasz_grad
 from .regression import L1RegressionLoss, MSERegressionLoss, SmoothL1RegressionLoss
 
-__all__ = ["LOSSES", "CrossEntropyLoss", "FocalLoss", "LovaszLoss", "DiceLoss", "Criteria", "build_criteria",
-           "lovasz_grad", "SmoothCELoss", "CrossEntropyHeadLoss", "BinaryFocalLoss", "L1RegressionLoss",
-           "MSERegressionLoss", "SmoothL1RegressionLoss", "FastInstanceSegmentationLoss",
+__all__ = ["LOSSES", "CrossEntropyLoss", "FocalLoss", "LovaszLoss", "DiceLoss", "Criteria", "CriteriaFitLogits",
+           "build_criteria", "lovasz_grad", "SmoothCELoss", "CrossEntropyHeadLoss", "BinaryFocalLoss",
+           "L1RegressionLoss", "MSERegressionLoss", "SmoothL1RegressionLoss", "FastInstanceSegmentationLoss",
            "FastInstanceSegmentationRegressionLoss", "FastUnifiedInstanceLoss"]

@@ -4,15 +4,17 @@ the losses share (dropping ignored points, per-event splitting, reductions)."""
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from pimm.utils.config_domains import arguments_of, ask_class
+from pimm.utils.domains import Rule, show
 from pimm.utils.errors import ConfigError
 from pimm.utils.registry import Registry
 
-__all__ = ["LOSSES", "Criteria", "build_criteria", "drop_ignored", "split_events", "zero_loss",
+__all__ = ["LOSSES", "Criteria", "build_criteria", "CriteriaFitLogits", "drop_ignored", "split_events", "zero_loss",
            "legacy_reduction"]
 
 #: Registry of point-wise losses (``dict(type="LovaszLoss", ...)``).
@@ -66,16 +68,50 @@ def _takes_offset(loss: nn.Module) -> bool:
         return False
 
 
+def _misfit(cfg: Any, columns: int | None, where: str, need: int | None) -> ConfigError | None:
+    if need is None or columns is None or need == columns:
+        return None
+    return ConfigError(f"{where}={show(cfg)} is invalid: it scores {need} logit column(s) per target and the model's "
+                       f"logits have {columns} (one per class): use a loss for {columns}-column logits (LovaszLoss: "
+                       f"mode='multiclass') or give the model num_classes={need}")
+
+
+class CriteriaFitLogits(Rule):
+    """Each loss of a model's ``criteria`` that takes a set number of logit
+    columns (its class's ``logit_columns``: ``LovaszLoss(mode="binary")`` one
+    score per target) gets as many as the model's head has (``columns`` of the
+    model's arguments): checked on the config, before anything is built."""
+
+    def __init__(self, columns: Callable[[dict], int | None] = lambda a: a.get("num_classes")):
+        super().__init__(lambda a: True, "criteria", "")
+        self.columns = columns
+
+    def check(self, args: dict, where: str) -> None:
+        cfgs = args.get("criteria")
+        for i, cfg in enumerate(cfgs if isinstance(cfgs, (list, tuple)) else ()):
+            error = _misfit(cfg, self.columns(args), f"{where}criteria.{i}", ask_class(cfg, "criteria",
+                                                                                       "logit_columns"))
+            if error is not None:
+                raise error
+
+
 class Criteria(nn.Module):
     """Sum of several losses built from configs. Losses whose ``forward`` takes
-    ``offset`` (per-event losses) get the batch's ``offset``."""
+    ``offset`` (per-event losses) get the batch's ``offset``. ``columns``: the
+    width of the model's logits, checked against what each loss takes
+    (:class:`CriteriaFitLogits`) for a model built outside a config."""
 
-    def __init__(self, cfgs: Sequence[dict] | None):
+    def __init__(self, cfgs: Sequence[dict] | None, columns: int | None = None):
         super().__init__()
         if not cfgs:
             raise ConfigError("criteria is empty: give at least one loss, e.g. [dict(type='CrossEntropyLoss')]")
         self.losses = nn.ModuleList(LOSSES.build(cfg) for cfg in cfgs)
-        for cfg, loss in zip(cfgs, self.losses):
+        for i, (cfg, loss) in enumerate(zip(cfgs, self.losses)):
+            ask = getattr(type(loss), "logit_columns", None)
+            error = _misfit(cfg, columns, f"criteria.{i}",
+                            ask(arguments_of(type(loss), cfg)) if callable(ask) and isinstance(cfg, dict) else None)
+            if error is not None:
+                raise error
             if getattr(loss, "reduction", "mean") == "none":
                 raise ConfigError(f"criteria: {cfg.get('type')} with reduction='none' returns one loss per point, "
                                   "and a model's loss must be one number: use reduction='mean' or 'sum'")
@@ -95,5 +131,5 @@ class Criteria(nn.Module):
         return total if components is None else (total, components)
 
 
-def build_criteria(cfgs: Sequence[dict] | None) -> Criteria:
-    return Criteria(cfgs)
+def build_criteria(cfgs: Sequence[dict] | None, columns: int | None = None) -> Criteria:
+    return Criteria(cfgs, columns)

@@ -97,6 +97,12 @@ class LovaszLoss(nn.Module):
                    class_weights=Seq(NonNeg, min_len=1) | DictOf(Int(0, MAX_SIZE), NonNeg) | None,
                    ignore_index=Int(-1, MAX_SIZE) | None, loss_weight=Weight)
 
+    @classmethod
+    def logit_columns(cls, args: dict) -> int | None:
+        """The hinge of ``mode="binary"`` scores one logit per target (upstream
+        has no meaning for it on multiclass logits: its flattening crashes)."""
+        return 1 if args.get("mode") == "binary" else None
+
     def __init__(self, mode: str = "multiclass", classes: str = "present", class_seen=None, class_weights=None,
                  per_image: bool = False, ignore_index: int | None = -1, loss_weight: float = 1.0,
                  penalize_pred: bool = False):

@@ -31,11 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pimm.engines.registries import MODELS
+from pimm.utils.config_domains import answers_with
 from pimm.utils.domains import (Bool, Choice, DictOf, Domain, Int, NonNeg, PosInt, Prob, Real, Registered, Seq, Size,
                                 show)
 from pimm.utils.errors import ConfigError
 
-from ..losses.base import build_criteria
+from ..losses.base import CriteriaFitLogits, build_criteria
 from .tokens import PointGrouping, chamfer_distance, knn, masked_gather, packed_to_padded, padded_to_packed
 from .transformer import (VIT_CONFIGS, LearnedPositionalEncoder, MaskedBatchNorm1d, MaskedMiniPointNet,
                           make_transformer, masked_layer_norm)
@@ -268,6 +269,8 @@ class PoLArMAESemSeg(nn.Module):
                    upsampling_dim=Size | None, center=Seq(Real(-1e9), length=3), scale=Real(0, 1e9, lo_open=True),
                    criteria=Seq(Registered("loss")) | None,
                    transformer_kwargs=_TRANSFORMER, tokenizer_kwargs=_TOKENIZER)
+    output_classes = answers_with("num_classes")  # the columns of seg_logits
+    domain_rules = (CriteriaFitLogits(),)
 
     def __init__(self, num_classes=5, arch="vit_small", voxel_size=5, num_channels=4,
                  seg_head_fetch_layers: Sequence[int] = (3, 7, 11), seg_head_combination_method="mean",
@@ -296,7 +299,7 @@ class PoLArMAESemSeg(nn.Module):
         self.upsampler = _Upsampling(up, [up, up], upsampling_k)
         self.seg_head = _SegmentationHead(up * 3 if self.global_features else up, seg_head_dim, seg_head_dropout,
                                           num_classes)
-        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)])
+        self.criteria = build_criteria(criteria or [dict(type="CrossEntropyLoss", ignore_index=-1)], int(num_classes))
         if self.freeze_encoder:
             for module in self._encoder_parts():
                 module.requires_grad_(False)

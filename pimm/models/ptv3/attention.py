@@ -13,6 +13,9 @@ Upstream's two modes:
 * ``enable_flash=True``: ``K`` is the configured patch size; an event
   shorter than ``K`` is one patch of its own length (upstream's variable
   length sequence), here a padded patch whose pads are masked out as keys.
+  ``K`` is capped at the batch's longest event: a patch longer than every
+  event pads every event to the same length, so the cap changes no output,
+  only what the padding would cost (upstream's varlen call pads nothing).
 * ``enable_flash=False``: ``K = min(patch_size, shortest event)``, so every
   event fills at least one patch; RPE and up-casting are allowed.
 
@@ -110,12 +113,21 @@ class SerializedAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self.rpe = RPE(patch_size, num_heads) if enable_rpe else None
 
-    def _patch_size(self, counts: torch.Tensor) -> int:
-        if self.patch_size == -1:
-            return max(int(counts.max()), 1)
+    def _patch_size(self, counts: torch.Tensor, patch_size: int | None = None) -> int:
+        """Points per patch for events of ``counts`` points, from the configured
+        ``patch_size`` (default: this block's)."""
+        patch_size = self.patch_size if patch_size is None else patch_size
+        longest = max(int(counts.max()), 1)
+        if patch_size == -1:
+            return longest
         if self.enable_flash:
-            return self.patch_size
-        return max(min(int(counts.min()), self.patch_size), 1)
+            return min(patch_size, longest)
+        return max(min(int(counts.min()), patch_size), 1)
+
+    def level_patch_size(self, point) -> int:
+        """The configured patch size this block cuts ``point``'s level with:
+        its own (LitePT's blocks share the level's first, as upstream's)."""
+        return self.patch_size
 
     def layout(self, point, k: int):
         """Gather/scatter indices of this block's curve at patch size ``k``,
@@ -142,7 +154,7 @@ class SerializedAttention(nn.Module):
         feat = point["feat"] if feat is None else feat
         h, c = self.num_heads, self.channels
         counts = torch.diff(point["offset"], prepend=point["offset"].new_zeros(1))
-        k = self._patch_size(counts)
+        k = self._patch_size(counts, self.level_patch_size(point))
         rows, key_mask = self.layout(point, k)
         qkv = self.qkv(rows.to_slots(feat)).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
         q, key, v = qkv.unbind(0)  # (P, H, K, D)

@@ -24,7 +24,7 @@ from torch import nn
 from pimm.engines.registries import MODELS
 from pimm.utils.errors import ConfigError
 
-from pimm.utils.domains import MAX_COUNT, Choice, Int, Keys, NonNeg, Positive, Real, Seq, Size, same_length
+from pimm.utils.domains import MAX_COUNT, Choice, Int, Keys, NonNeg, Positive, Real, Rule, Seq, Size, same_length
 
 from .blocks import Block, PointModule, PointSequential, SubMConv3d
 from .linear import Linear
@@ -77,21 +77,42 @@ def _check(name: str, values: Sequence, n: int, what: str) -> None:
         raise ConfigError(f"PT-v3: {name} has {len(values)} entries, {what} needs {n}")
 
 
+# Points per attention patch; -1 (upstream's flash path): each event is one patch.
+_PATCH_SIZES = Seq(Int(1, MAX_COUNT) | Choice(-1),
+                   what="a list of patch sizes (points per attention patch >= 1, or -1: the whole event)")
+
+
+def _whole_events_need_flash(a) -> bool:
+    return a.enable_flash or -1 not in (*a.enc_patch_size, *a.dec_patch_size)
+
+
 class _PTv3Base(PointModule):
     """Shared construction of both variants."""
 
     variant = ""
     domains = dict(in_channels=Size, order=Choice(*ORDERS) | Seq(Choice(*ORDERS), min_len=1), stride=Seq(Int(1, 16)),
                    enc_depths=Seq(Int(0, 64), min_len=1), enc_channels=Seq(Size), enc_num_head=Seq(Int(1, 1024)),
-                   enc_patch_size=Seq(Int(1, MAX_COUNT)), dec_depths=Seq(Int(0, 64)), dec_channels=Seq(Size),
-                   dec_num_head=Seq(Int(1, 1024)), dec_patch_size=Seq(Int(1, MAX_COUNT)),
+                   enc_patch_size=_PATCH_SIZES, dec_depths=Seq(Int(0, 64)), dec_channels=Seq(Size),
+                   dec_num_head=Seq(Int(1, 1024)), dec_patch_size=_PATCH_SIZES,
                    mlp_ratio=Real(0, 64, lo_open=True), qk_scale=Positive | None, attn_drop=Real(0, 1, hi_open=True),
                    proj_drop=Real(0, 1, hi_open=True), drop_path=Real(0, 1, hi_open=True))
     domain_rules = (same_length("enc_depths", "enc_channels", "enc_num_head", "enc_patch_size", "stride",
                                 offset=dict(stride=-1)),
                     same_length("enc_depths", "dec_depths", "dec_channels", "dec_num_head", "dec_patch_size",
                                 offset=dict(dec_depths=-1, dec_channels=-1, dec_num_head=-1, dec_patch_size=-1),
-                                when=lambda a: not getattr(a, "cls_mode", False) and not getattr(a, "enc_mode", False)))
+                                when=lambda a: not getattr(a, "cls_mode", False) and not getattr(a, "enc_mode", False)),
+                    Rule(_whole_events_need_flash, "enable_flash",
+                         "True when a patch size is -1 (whole-event attention is upstream's flash path)"))
+
+    @classmethod
+    def masks_features(cls, args: dict) -> bool:
+        """Whether this config replaces the features of a batch's masked points
+        (``mask``) by a learned token: what Sonata's mask losses need."""
+        return bool(args.get("mask_token", False))
+
+    @property
+    def has_mask_token(self) -> bool:
+        return getattr(self.embedding, "mask_token", None) is not None
 
     def _check_options(self, order, stride, enc, dec, decoder: bool) -> None:
         orders = [order] if isinstance(order, str) else list(order)

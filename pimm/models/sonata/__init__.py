@@ -2,10 +2,11 @@
 
 from pimm.engines.registries import MODELS
 
+from .fusion import RepresentationFusion
 from .heads import PrototypeHead
 from .model import Sonata
 
-__all__ = ["Sonata", "PrototypeHead"]
+__all__ = ["Sonata", "PrototypeHead", "RepresentationFusion"]
 
 # Upstream also registers a "v1m2" (one teacher head shared by the losses) that
 # none of its configs names; pimm builds only what upstream's configs use.

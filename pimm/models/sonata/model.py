@@ -20,6 +20,16 @@ predictions are softmaxed at ``student_temp``; points are matched on
 levels above the encoder's coarsest one, every level's features
 concatenated (``head_in_channels`` must be that width).
 
+The mask losses need a backbone that replaces the masked points' features
+(PT-v3's ``mask_token=True``): without one the student would see the masked
+views unmasked and half the objective would train on nothing hidden. Upstream's
+PT-v3 crashes on that batch; pimm refuses the config.
+
+``representation_fusion_channels`` (upstream's option, off by default) puts a
+small residual MLP between the up-cast features and the heads (:mod:`.fusion`);
+the probe output (``return_point=True``) is then the fused features on the
+input points.
+
 Schedules (mask size and ratio, teacher temperature, EMA momentum, mask
 jitter when ``mask_jitter`` is None) are functions of the optimizer step
 (:mod:`.schedules`): the model is a hook (list ``ModelHook`` in ``hooks``)
@@ -41,13 +51,12 @@ from torch import nn
 
 from pimm.engines.hooks.base import HookBase
 from pimm.engines.registries import MODELS
-from pimm.utils.config_domains import domains_of
-from pimm.utils.domains import (Choice, DictOf, Instance, Int, Key, Length, NonNeg, Prob, Real, Registered, Rule, Size,
-                                Weight)
 from pimm.utils.errors import ConfigError
 
 from ..point_ops import batch2offset, offset2batch, scatter_mean
 from ..ptv3.structure import Point
+from .arguments import DOMAINS, RULES
+from .fusion import RepresentationFusion
 from .heads import PrototypeHead
 from .matching import match_nearest, mean_per_segment, patch_mask, segment_bounds, sinkhorn_knopp
 from .schedules import WarmupCosine
@@ -57,31 +66,6 @@ __all__ = ["Sonata"]
 # More training passes than any gradient accumulation uses, with no EMA update
 # in between: the loop does not drive the model (no ModelHook).
 _MAX_FORWARDS_WITHOUT_UPDATE = 64
-
-_TEMPERATURE = Real(0, 100, lo_open=True)
-
-
-class _TeacherOptionsTakeTheBackbones(Rule):
-    """Each ``teacher_custom`` entry is a backbone option: it takes the backbone type's own domain."""
-
-    def __init__(self):
-        super().__init__(lambda a: True, "teacher_custom", "")
-
-    def check(self, args: dict, where: str) -> None:
-        custom, backbone = args.get("teacher_custom"), args.get("backbone")
-        kind = backbone.get("type") if isinstance(backbone, dict) else None
-        if not isinstance(custom, dict) or not isinstance(kind, str) or kind not in MODELS:
-            return
-        domains, _ = domains_of(MODELS.get(kind))
-        for key, value in custom.items():
-            if key in domains:
-                domains[key](f"{where}teacher_custom.{key}", value)
-
-
-def _ramps_up(name: str) -> Rule:
-    """``<name>_start <= <name>_base``: a warm-up rises to its base value."""
-    return Rule(lambda a: getattr(a, f"{name}_start") <= getattr(a, f"{name}_base"), f"{name}_start",
-                f"a value <= {name}_base (the warm-up rises from start to base)")
 
 
 @MODELS.register_module("Sonata-v1m1")
@@ -95,29 +79,7 @@ class Sonata(nn.Module, HookBase):
     (a zero weight drops the loss and its head).
     """
 
-    domains = dict(
-        backbone=Registered("model"), head_in_channels=Size, head_hidden_channels=Size, head_embed_channels=Size,
-        head_num_prototypes=Size, teacher_custom=DictOf(Key, what="a dict of backbone options for the teacher") | None,
-        num_global_view=Choice(1, 2), num_local_view=Int(0, 256), mask_size_start=Length, mask_size_base=Length,
-        mask_size_warmup_ratio=Prob, mask_ratio_start=Prob, mask_ratio_base=Prob, mask_ratio_warmup_ratio=Prob,
-        mask_jitter=NonNeg | None, mask_jitter_start=NonNeg, mask_jitter_base=NonNeg, mask_jitter_warmup_ratio=Prob,
-        teacher_temp_start=_TEMPERATURE, teacher_temp_base=_TEMPERATURE, teacher_temp_warmup_ratio=Prob,
-        student_temp=_TEMPERATURE, mask_loss_weight=Weight, roll_mask_loss_weight=Weight, unmask_loss_weight=Weight,
-        momentum_base=Prob, momentum_final=Prob, match_max_k=Int(1, 1024), match_max_r=Length,
-        up_cast_level=Int(0, 16),
-        representation_fusion_channels=Instance(type(None), "None (upstream's representation fusion is not "
-                                                            "supported: remove the key)"))
-    domain_rules = (
-        _TeacherOptionsTakeTheBackbones(),
-        Rule(lambda a: a.momentum_base <= a.momentum_final, "momentum_base", "a value <= momentum_final"),
-        *(_ramps_up(name) for name in ("mask_size", "mask_ratio", "teacher_temp", "mask_jitter")),
-        Rule(lambda a: a.mask_loss_weight + a.roll_mask_loss_weight + a.unmask_loss_weight > 0, "mask_loss_weight",
-             "a positive value when the other loss weights are 0 (some loss must train)"),
-        Rule(lambda a: a.num_global_view == 2 or a.roll_mask_loss_weight == 0, "roll_mask_loss_weight",
-             "0 with num_global_view=1 (the roll-mask loss swaps the two global views)"),
-        Rule(lambda a: a.num_local_view >= 1 or a.unmask_loss_weight == 0, "unmask_loss_weight",
-             "0 with num_local_view=0 (the unmask loss reads the local views)"),
-    )
+    domains, domain_rules = DOMAINS, RULES
 
     def __init__(self, backbone: dict, head_in_channels: int, head_hidden_channels: int = 4096,
                  head_embed_channels: int = 512, head_num_prototypes: int = 4096, teacher_custom: dict | None = None,
@@ -130,13 +92,13 @@ class Sonata(nn.Module, HookBase):
                  student_temp: float = 0.1, mask_loss_weight: float = 2 / 8, roll_mask_loss_weight: float = 2 / 8,
                  unmask_loss_weight: float = 4 / 8, momentum_base: float = 0.996, momentum_final: float = 1.0,
                  match_max_k: int = 8, match_max_r: float = 0.08, up_cast_level: int = 2,
-                 representation_fusion_channels: int | None = None, **unsupported: Any):
+                 representation_fusion_channels: int | None = None,
+                 representation_fusion_hidden_channels: int | None = None, representation_fusion_dropout: float = 0.0,
+                 representation_fusion_residual: bool = True, representation_fusion_output_norm: bool = True,
+                 **unsupported: Any):
         nn.Module.__init__(self)
         if unsupported:
             raise ConfigError(f"Sonata-v1m1: unknown option(s) {sorted(unsupported)}; see docs/pretraining.md")
-        if representation_fusion_channels is not None:
-            raise ConfigError("Sonata-v1m1: representation_fusion_channels is not supported; remove it "
-                              "(the heads read the up-cast features directly)")
         if not isinstance(backbone, dict) or "type" not in backbone:
             raise ConfigError(f"Sonata-v1m1: backbone must be a dict(type=...), got {backbone!r}")
         weights = dict(mask=mask_loss_weight, roll_mask=roll_mask_loss_weight, unmask=unmask_loss_weight)
@@ -174,6 +136,18 @@ class Sonata(nn.Module, HookBase):
         student = nn.ModuleDict({"backbone": MODELS.build(dict(backbone))})
         teacher = nn.ModuleDict({"backbone": MODELS.build({**backbone, **(teacher_custom or {})})})
         self._check_widths(student["backbone"], backbone, head_in_channels)
+        if (mask_loss_weight > 0 or roll_mask_loss_weight > 0) and \
+                getattr(student["backbone"], "has_mask_token", None) is False:
+            raise ConfigError(f"Sonata-v1m1: the mask losses need the backbone {backbone['type']!r} to mask the "
+                              "student's masked points: set mask_token=True in it (or mask_loss_weight and "
+                              "roll_mask_loss_weight to 0)")
+        self.representation_fusion_enabled = representation_fusion_channels is not None
+        if self.representation_fusion_enabled:
+            for net in (student, teacher):
+                net["representation_fusion"] = RepresentationFusion(
+                    head_in_channels, representation_fusion_channels, representation_fusion_hidden_channels,
+                    representation_fusion_dropout, representation_fusion_residual, representation_fusion_output_norm)
+            head_in_channels = representation_fusion_channels
 
         def head():
             return PrototypeHead(head_in_channels, head_hidden_channels, head_embed_channels, head_num_prototypes)
@@ -238,9 +212,11 @@ class Sonata(nn.Module, HookBase):
         self.update_teacher()
 
     # -- features ------------------------------------------------------------
-    def _encode(self, net: nn.ModuleDict, point: Point) -> Point:
+    def _encode(self, net: nn.ModuleDict, point: Point, to_input_points: bool = False) -> Point:
         """Backbone, then the features of ``up_cast_level`` levels concatenated
-        onto the points of that level (with their mean ``origin_coord``)."""
+        onto the points of that level (with their mean ``origin_coord``), fused
+        when the model has a representation fusion; ``to_input_points``: those
+        features copied on down to the backbone's finest level."""
         events = len(point["offset"])
         out = net["backbone"](point)
         chain = [out]
@@ -255,15 +231,21 @@ class Sonata(nn.Module, HookBase):
         feat = chain[0]["feat"]
         for i in range(1, self.up_cast_level + 1):
             feat = torch.cat([chain[i]["feat"], feat.index_select(0, chain[i - 1]["pooling_inverse"])], dim=-1)
+        if "representation_fusion" in net:
+            feat = net["representation_fusion"](feat)
         level = chain[self.up_cast_level]
+        if to_input_points:
+            for i in range(self.up_cast_level + 1, len(chain)):
+                feat = feat.index_select(0, chain[i - 1]["pooling_inverse"])
+            level, origin = chain[-1], chain[-1]["origin_coord"]
         batch = level["batch"]
         return Point(feat=feat, origin_coord=origin, batch=batch, offset=batch2offset(batch, events))
 
     def forward(self, data_dict: dict, return_point: bool = False) -> dict:
-        if return_point:  # features for probing: the teacher's
+        if return_point:  # features for probing: the teacher's (fused: on the input points, as upstream)
             point = Point(**{k: v for k, v in data_dict.items() if isinstance(v, torch.Tensor)})
             point.setdefault("origin_coord", point["coord"])
-            return dict(point=self._encode(self.teacher, point))
+            return dict(point=self._encode(self.teacher, point, to_input_points=self.representation_fusion_enabled))
         missing = [k for k in ("global_feat", "global_coord", "global_origin_coord", "global_offset", "grid_size")
                    if k not in data_dict]
         if self.unmask_loss_weight > 0:
