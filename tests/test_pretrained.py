@@ -50,7 +50,7 @@ def test_from_pretrained_takes_a_run_and_its_model_file(run):
     assert _same(model, _best(run))
     model, meta = pimm.from_pretrained(run / "model" / "model_last.pth", return_metadata=True)
     last = torch.load(run / "model" / "model_last.pth", weights_only=True)["state_dict"]
-    assert _same(model, last) and meta["config_file"] == str(run / "config.py")
+    assert _same(model, last) and meta["config_file"] == str(run / "resolved_config.json")  # data, not config.py
 
 
 def test_save_pretrained_writes_a_self_describing_folder(run, tmp_path):
@@ -143,13 +143,13 @@ def fake_hub(monkeypatch, run, tmp_path):
     class LocalEntryNotFoundError(Exception):
         pass
 
-    def snapshot_download(repo, revision=None, allow_patterns=None):
+    def snapshot_download(repo, revision=None, allow_patterns=None, **options):
         calls.append(("snapshot", repo, revision))
         if repo == "org/toy":
             return str(export)
         raise LocalEntryNotFoundError("not in the cache and outgoing traffic is disabled")
 
-    def hf_hub_download(repo, filename, revision=None):
+    def hf_hub_download(repo, filename, revision=None, **options):
         calls.append(("file", repo, filename, revision))
         if repo == "org/toy":
             return str(export / filename)

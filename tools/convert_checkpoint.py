@@ -7,9 +7,11 @@ checkpoint). A sharded checkpoint of an FSDP run (any number of processes)
 is read in this one process, without a process group; the output has the
 format of ``model/model_last.pth`` and loads with ``torch.load(OUT,
 weights_only=True)``. An existing ``OUT`` is replaced only with
-``--overwrite``. The checkpoint is read as data: a ``common.pth`` that names
-any other type is refused (exit 2) unless ``--trust-checkpoint-code``
-(checkpoints written before pimm saved plain states; see docs/security.md). Bad arguments print one ``error: ...`` line and exit 2.
+``--overwrite``, and never inside a checkpoint folder (the input's own
+``common.pth`` included). The checkpoint is read as data: a ``common.pth``
+that names any other type is refused (exit 2) unless
+``--trust-checkpoint-code`` (checkpoints written before pimm saved plain
+states; see docs/security.md). Bad arguments print one ``error: ...`` line and exit 2.
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (usage: {usage})")
 
 
+def _refuse_output_inside_a_checkpoint(source: str, out: str) -> None:
+    """OUT must not be a file of the checkpoint being read, nor of any other
+    committed checkpoint: ``--overwrite`` would replace a checkpoint's own
+    ``common.pth`` and the next resume would silently lose its state."""
+    from pimm.engines.state.convert import find_checkpoint
+    from pimm.engines.state.manager import MANIFEST
+
+    target = Path(out).resolve()
+    checkpoint = find_checkpoint(source).resolve()
+    inside = next((parent for parent in target.parents if parent == checkpoint or (parent / MANIFEST).is_file()), None)
+    if inside is not None:
+        raise UserError(f"{out} is inside the checkpoint {inside}; writing it would change that checkpoint (the "
+                        "converted input itself, with --overwrite): give a path outside checkpoints, e.g. "
+                        "model_converted.pth")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = _Parser(prog="tools/convert_checkpoint.py",
@@ -45,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         from pimm.engines.state.convert import convert_checkpoint
 
+        _refuse_output_inside_a_checkpoint(args.checkpoint, args.out)
         checkpoint, out = convert_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite,
                                              trust_code=args.trust_checkpoint_code)
     except UserError as err:

@@ -3,7 +3,7 @@ after training (upstream pimm's hook, arguments and meaning), through
 ``huggingface_hub`` (the ``hub`` extra).
 
 It lives beside the evaluators because a push with ``weights_only`` off uploads a
-``pimm export`` folder (:func:`pimm.models.pretrained.save_pretrained`),
+``pimm export`` folder (:func:`pimm.export.save_pretrained`),
 which the engine layer may not import.
 
 Uploads run on rank 0. A failed upload is one warning line and the run goes
@@ -13,6 +13,7 @@ says the Hub is unreachable and that nothing was pushed.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import tempfile
@@ -49,7 +50,9 @@ class PushToHub(HookBase):
         repo_id: the Hub repository (``"org/name"``), created if missing
             (``private``).
         checkpoint: what ``on_train_end`` pushes: ``"model_best"`` (default),
-            ``"last"``/``"model_last"``, a file name under ``model/`` or a path.
+            ``"last"``/``"model_last"``, an ``EMAHook``'s ``"model_ema"``, a file
+            already under ``model/`` or an absolute path; anything else is
+            refused when the config is read (:meth:`check_checkpoint`).
         weights_only: push the weight file as it is (loads back with
             ``weight=hf://<repo_id>/<file>``); ``False``: a ``pimm export`` folder.
         token, revision: Hub token (default: the ambient login) and branch.
@@ -116,9 +119,10 @@ class PushToHub(HookBase):
                                    repo_type="model", revision=self.revision,
                                    commit_message=f"pimm: {path_in_repo} at step {self.trainer.global_step}")
             return f"hf://{self.repo_id}/{path_in_repo}"
-        from pimm.models.pretrained import save_pretrained
+        from pimm.export.saving import save_pretrained
 
         with tempfile.TemporaryDirectory() as tmp:
+            # The run's config as published: this hook's token, other secrets and paths redacted.
             save_pretrained(str(local), tmp, cfg=self.trainer.cfg)
             self.api().upload_folder(folder_path=tmp, repo_id=self.repo_id, repo_type="model", revision=self.revision,
                                      commit_message=f"pimm export of {local.name} at step {self.trainer.global_step}")
@@ -148,6 +152,33 @@ class PushToHub(HookBase):
                                         f"({type(err).__name__}); the run continues")
 
     # -- which file ------------------------------------------------------------
+    def modify_config(self, cfg) -> None:
+        self.check_checkpoint(cfg)
+
+    def check_checkpoint(self, cfg) -> None:
+        """Refuse a ``checkpoint`` that names nothing the run writes or holds (a
+        typo would otherwise train the whole run and push nothing): it must be
+        ``model_best``, ``last``/``model_last``, the model file of an ``EMAHook``
+        of the config (``model_ema``), a file already under ``save_path/model``,
+        or an absolute path to a file."""
+        name = self.checkpoint
+        written = {"model_best", "model_last", "last"}
+        for entry in list(cfg.get("hooks") or []) + list((cfg.get("default_hooks") or {}).values()):
+            if isinstance(entry, dict) and entry.get("type") == "EMAHook" and entry.get("export", True):
+                written.add(f"model_{entry.get('name', 'ema')}")
+        stem = name[:-len(".pth")] if name.endswith(".pth") else name
+        if stem in written or (Path(name).is_absolute() and Path(name).is_file()):
+            return
+        model_dir = Path(str(cfg.get("save_path") or ".")) / "model"
+        if not Path(name).is_absolute() and ((model_dir / name).is_file() or (model_dir / f"{name}.pth").is_file()):
+            return
+        choices = sorted(written - {"last"})
+        close = difflib.get_close_matches(stem, choices, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"PushToHub: checkpoint={name!r} names nothing this run writes ({hint}it takes "
+                          f"{', '.join(repr(c) for c in choices)}, 'last', a file already under {model_dir} or an "
+                          "absolute path to a weight file)")
+
     def resolve(self, name: str) -> Path | None:
         model_dir = Path(self.trainer.cfg.save_path) / "model"
         if name in ("last", "model_last"):

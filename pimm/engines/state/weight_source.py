@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.engines.state.manager import MANIFEST
-from pimm.engines.state.weight_file import read_weights
+from pimm.engines.state.weight_file import read_weights, refuse_non_finite
 from pimm.utils.errors import CheckpointError, ConfigError
 
 __all__ = ["HF_SCHEME", "EXPORT_WEIGHT_NAMES", "WeightSource", "parse_hf_uri", "resolve_weight_source",
-           "read_state_dict", "check_weight_option"]
+           "read_state_dict", "check_weight_option", "hf_cache_dir", "hf_offline"]
 
 HF_SCHEME = "hf://"
 EXPORT_WEIGHT_NAMES = ("model.safetensors", "model.bin")
@@ -58,32 +58,67 @@ def parse_hf_uri(uri: str) -> tuple[str, str | None, str | None]:
     return match["repo"], match["rev"], match["file"]
 
 
-def _hf_download(uri: str) -> Path:
-    """The local path of ``uri`` in huggingface_hub's cache (downloaded when online)."""
-    repo, revision, filename = parse_hf_uri(uri)
+def hf_cache_dir() -> str | None:
+    """The Hugging Face cache in effect now: ``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``; None: huggingface_hub's default. Read at each call, because
+    huggingface_hub reads these variables once, when it is imported."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    return None
+
+
+def hf_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` forbids the Hub now (read at each call, see :func:`hf_cache_dir`)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hf_download(uri: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                 shown: str | None = None) -> Path:
+    """The local path of ``uri`` in huggingface_hub's cache (downloaded when
+    online). ``revision`` overrides the URI's; ``cache_dir``: the cache to use
+    (default :func:`hf_cache_dir`); ``shown``: the name the user wrote."""
+    repo, uri_revision, filename = parse_hf_uri(uri)
+    revision, shown = revision or uri_revision, shown or uri
     try:
         import huggingface_hub
     except ImportError:
-        raise ConfigError(f"{uri}: reading Hugging Face models needs huggingface_hub: pip install 'pimm[hub]' "
+        raise ConfigError(f"{shown}: reading Hugging Face models needs huggingface_hub: pip install 'pimm[hub]' "
                           "(or give a local path)") from None
+    offline = hf_offline()
+    options = {"revision": revision}
+    cache = os.fspath(cache_dir) if cache_dir is not None else hf_cache_dir()
+    if cache is not None:
+        options["cache_dir"] = cache
+    if offline:
+        options["local_files_only"] = True
     try:
         if filename:
-            return Path(huggingface_hub.hf_hub_download(repo, filename, revision=revision))
+            return Path(huggingface_hub.hf_hub_download(repo, filename, **options))
         return Path(huggingface_hub.snapshot_download(
-            repo, revision=revision, allow_patterns=[*EXPORT_WEIGHT_NAMES, "*.json", "README.md"]))
+            repo, allow_patterns=[*EXPORT_WEIGHT_NAMES, "*.json", "README.md"], **options))
     except Exception as err:  # offline and not cached, unknown repo, no network: many exception types
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
         name = type(err).__name__
         if offline or "LocalEntryNotFound" in name or "OfflineMode" in name or "Connect" in name:
-            raise CheckpointError(f"model {uri} is not in the Hugging Face cache and the Hub cannot be reached"
-                                  f"{' (HF_HUB_OFFLINE=1)' if offline else ''}; download it once online, or give "
-                                  "a local path") from None
+            fetch = f"hf download {repo}" + (f" {filename}" if filename else "") + \
+                (f" --revision {revision}" if revision else "")
+            where = f" (cache: {cache})" if cache is not None else ""
+            raise CheckpointError(f"model {shown} is not in the Hugging Face cache and the Hub cannot be reached"
+                                  f"{' (HF_HUB_OFFLINE=1)' if offline else ''}; download it once online with "
+                                  f"`{fetch}`{where}, or give a local path") from None
         first = str(err).splitlines()[0] if str(err) else ""
-        raise CheckpointError(f"{uri}: cannot fetch model {repo} from the Hugging Face Hub ({name}: {first})") from None
+        raise CheckpointError(f"{shown}: cannot fetch model {repo} from the Hugging Face Hub ({name}: {first})") from None
 
 
 def _from_folder(folder: Path, origin: str) -> WeightSource:
     if (folder / MANIFEST).is_file():
+        from pimm.engines.state.manager import CheckpointManager
+
+        verdict = CheckpointManager(folder.parent).verify(folder)  # a damaged file is named before anything reads it
+        if verdict != "ok":
+            raise CheckpointError(f"{origin}: checkpoint {folder.name} cannot be used: {verdict}; give another "
+                                  "checkpoint of the run (or the run directory: its newest intact one)")
         return WeightSource("checkpoint", folder, folder.parent.parent, origin)
     for name in EXPORT_WEIGHT_NAMES:
         if (folder / name).is_file():
@@ -103,12 +138,14 @@ def _from_folder(folder: Path, origin: str) -> WeightSource:
                           "model/model_best.pth, model/model_last.pth and committed checkpoints)")
 
 
-def resolve_weight_source(weight: str | os.PathLike) -> WeightSource:
-    """Resolve ``weight`` (see the module docstring); CheckpointError naming it if
-    nothing readable is there."""
+def resolve_weight_source(weight: str | os.PathLike, *, revision: str | None = None,
+                          cache_dir: str | os.PathLike | None = None, shown: str | None = None) -> WeightSource:
+    """Resolve ``weight`` (see the module docstring); CheckpointError naming it
+    (or ``shown``, the name the user wrote) if nothing readable is there.
+    ``revision`` and ``cache_dir`` apply to ``hf://`` names (see :func:`_hf_download`)."""
     origin = str(weight)
     if origin.startswith(HF_SCHEME):
-        local = _hf_download(origin)
+        local = _hf_download(origin, revision=revision, cache_dir=cache_dir, shown=shown)
         return _from_folder(local, origin) if local.is_dir() else _from_file(local, origin, local.parent)
     path = Path(os.path.expanduser(origin))
     if path.is_dir():
@@ -125,7 +162,14 @@ def _from_file(path: Path, origin: str, folder: Path | None) -> WeightSource:
 
 
 def read_state_dict(source: WeightSource) -> dict:
-    """The model state dict of ``source``, on the CPU."""
+    """The model state dict of ``source``, on the CPU; refused when a tensor
+    holds NaN or infinite values (:func:`~pimm.engines.state.weight_file.refuse_non_finite`)."""
+    state = _read_state_dict(source)
+    refuse_non_finite(state, f"weight={source.origin!r}")
+    return state
+
+
+def _read_state_dict(source: WeightSource) -> dict:
     if source.kind == "safetensors":
         try:
             from safetensors.torch import load_file
@@ -139,10 +183,22 @@ def read_state_dict(source: WeightSource) -> dict:
             raise CheckpointError(f"weight={source.origin!r}: {source.path} cannot be read as safetensors "
                                   f"({type(err).__name__}: {first})") from None
     if source.kind == "checkpoint":
-        from pimm.engines.state.convert import read_checkpoint_weights
-
-        return read_checkpoint_weights(source.path)
+        return _checkpoint_weights(source)
     return read_weights(source.path)
+
+
+def _checkpoint_weights(source: WeightSource) -> dict:
+    """The weights of a checkpoint folder (verified by :func:`_from_folder`), read as data."""
+    from pimm.engines.state.convert import read_checkpoint_weights
+    from pimm.engines.state.safe_load import UnsafeCheckpointError
+    from pimm.engines.state.weight_file import CONVERT_HINT
+
+    try:
+        return read_checkpoint_weights(source.path)
+    except UnsafeCheckpointError as err:
+        raise CheckpointError(f"weight={source.origin!r} refused: {err.path} refers to {err.global_name}, and a "
+                              "checkpoint may hold only data, never code; nothing in it was loaded or run; "
+                              + CONVERT_HINT.format(source=source.path)) from None
 
 
 def check_weight_option(key: str, value):
