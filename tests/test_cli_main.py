@@ -38,8 +38,8 @@ def test_unknown_command_is_one_error_line_and_exit_2():
     proc = run_pimm("trian", "--config-file", "x.py")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "error: unknown command 'trian'; did you mean 'train'? (commands: train, test, trace, plot, submit, export, "
-        "torchrun; see pimm --help)"]
+        "error: unknown command 'trian'; did you mean 'train'? (commands: launch, ls, train, test, trace, plot, "
+        "submit, watchdog, export, torchrun; see pimm --help)"]
     assert proc.stdout == ""
 
 

@@ -96,6 +96,8 @@ def _argument(action: argparse.Action) -> str:
 
 
 def _synopsis(name: str, parser: argparse.ArgumentParser) -> str:
+    if parser.usage:  # a command with many flags states its form itself
+        return parser.usage.replace("%(prog)s", name)
     parts = [name]
     for action in _actions(parser):
         if isinstance(action, argparse._SubParsersAction):
@@ -138,10 +140,11 @@ def _table(parser: argparse.ArgumentParser) -> list[str]:
     return rows if len(rows) > 2 else []
 
 
-def _command(name: str, parser: argparse.ArgumentParser, intro: str, level: str = "##") -> list[str]:
+def _command(name: str, parser: argparse.ArgumentParser, intro: str, level: str = "##",
+             title: str | None = None) -> list[str]:
     """A section for the command: ``intro`` (else the parser's description), synopsis, arguments."""
     intro = intro or parser.description or ""
-    lines = [f"{level} `{name}`", "", intro, "", "```", _synopsis(name, parser), "```", ""]
+    lines = [f"{level} `{title or name}`", "", intro, "", "```", _synopsis(name, parser), "```", ""]
     table = _table(parser)
     lines += table + [""] if table else []
     for action in _actions(parser):
@@ -175,8 +178,10 @@ Every command prints one `error: ...` line and exits with code 2 on bad
 usage or bad input; a traceback is printed only with `PIMM_DEBUG=1`. Exit
 codes of training: 0 done (or stopped on request), 2 bad input, 75
 pre-empted after a checkpoint (rerun with `resume=True`), 130 Ctrl-C (one
-press: after a checkpoint, and the line says how to resume; two: at once),
-1 any other failure ([public contract](contract.md#exit-codes)). A run that
+press: after a checkpoint, and the line says how to resume; two: at once;
+in the first seconds of any command, while it still imports torch and the
+models: one `error:` line, nothing written), 1 any other failure ([public
+contract](contract.md#exit-codes)). A run that
 ends prints a summary: the headline metric's last and best values, the best
 checkpoint, where checkpoints and dashboards are, and the commands that
 evaluate, plot and continue it.
@@ -195,7 +200,9 @@ INTROS = {
             "write `save_path/test_metrics.json` (an earlier one is kept aside). `pimm test RUN_DIR` scores a "
             "training run from its own `config.py`: its best checkpoint (`model/model_best.pth`) by default, "
             "or `--checkpoint last`, a weight file or a `checkpoints/step...` folder; the results go into "
-            "RUN_DIR. Otherwise give `--config-file CFG --options weight=PATH`. Also `pimm test` and "
+            "RUN_DIR. Otherwise give `--config-file CFG --options weight=PATH`. A test takes its save_path's run "
+            "lock as training does: on a run that is still training (or being tested) it stops with one line "
+            "naming the holder, and `--options save_path=DIR` tests into another directory. Also `pimm test` and "
             "`pimm-test`, with the same arguments.",
     "trace": "Read a run's structured trace (recorded with `--options structured_logging.enabled=True`; "
              "[Observability](observability.md)).",
@@ -204,12 +211,33 @@ INTROS = {
     "submit": "Submit a training run to SLURM through submitit, requeued on pre-emption and time-out "
               "([Distributed](distributed.md#slurm-pimm-submit)). Needs the `slurm` extra "
               "(`pip install -e \".[slurm]\"`).",
+    "launch": "Upstream pimm's front door: train on this machine (or this node of an allocation) with a config "
+              "named under `configs/` (`--train.config tests/tiny_semseg`), the launch settings of a site profile "
+              "(`--site`, `launch/sites/NAME.yaml`; pimm ships `local` and `slurm`) and a recipe (`--recipe`), "
+              "and the experiment config's overrides after a bare `--` (`-- epoch=2 use_wandb=False`: YAML "
+              "values, dotted keys). It runs pimm's own launcher, the one `pimm train` runs (torchrun for several "
+              "processes), so every guarantee of a run holds; `--dry-run` prints the settings and the command and "
+              "starts nothing ([Coming from upstream pimm](coming-from.md#upstreams-launcher)).",
+    "ls": "List the training configs by the names `pimm launch --train.config` takes.",
+    "submit_upstream": "Submit to SLURM with upstream pimm's flags (those of `pimm launch`; `--site` defaults to "
+                       "`slurm`): a batch job through submitit, requeued after a pre-emption or time-out warning "
+                       "up to `--chain.jobs` - 1 times, each attempt resuming exactly; `--interactive` runs "
+                       "`salloc ... srun ... pimm launch ...` in this terminal (with `--chain.jobs` > 1 it "
+                       "installs a scron supervisor, see `pimm watchdog`). Containers "
+                       "(`--container.runtime apptainer|singularity|shifter|docker`) wrap the command. "
+                       "`--submit.host` and Google Cloud Batch sites are refused with what to use instead. "
+                       "A command line with `--config-file` is pimm's own form (next section).",
+    "watchdog": "Manage the scron supervisors that `pimm submit --interactive --chain.jobs N` installs (SLURM's "
+                "`scrontab`): each runs the chain of interactive slots until the run is done.",
     "convert": "Write the model weights of a checkpoint to one file in the format of `model/model_last.pth`: "
                "a sharded checkpoint of an FSDP run (any number of processes) is read in this one process, "
                "without a process group ([Distributed](distributed.md#one-file-from-a-sharded-checkpoint)).",
-    "pimm_export": "Write a run's model as a portable folder (`model.safetensors`, `config.json` with absolute "
-                   "paths redacted, `README.md`) that `pimm.from_pretrained` loads anywhere "
-                   "([Models that travel](pretrained.md)).",
+    "pimm_export": "Write a run's model as a portable folder (`model.safetensors`, `config.json` with secrets "
+                   "and paths redacted, `README.md`) that `pimm.from_pretrained` loads anywhere, and optionally "
+                   "push it to the Hugging Face Hub. Two forms: `pimm export RUN OUT` and upstream's "
+                   "`pimm export --run-dir RUN [CHECKPOINT] OUT`. A `config.py` runs only when you name it "
+                   "(`--config`) or it is the record of the run directory you export "
+                   "([Models that travel](pretrained.md), [Security](security.md)).",
     "export": "Export synthetic LArTPC events to PILArNet-M style HDF5 files ([Data](pilarnet.md)).",
     "lucid": "Generate LUCiD-format water-Cherenkov shards from the ring simulator ([LUCiD](lucid.md)).",
 }
@@ -237,8 +265,14 @@ def render_cli_reference() -> str:
     lines += _command("tools/test.py", captured_parser(_pimm("test")), INTROS["test"])
     lines += ["## `pimm train`", "", "The arguments of [`tools/train.py`](#toolstrainpy).", "",
               "## `pimm test`", "", "The arguments of [`tools/test.py`](#toolstestpy).", ""]
-    for name in ("trace", "plot", "submit"):
+    lines += _command("pimm launch", captured_parser(_pimm("launch")), INTROS["launch"])
+    lines += _command("pimm ls", captured_parser(_pimm("ls")), INTROS["ls"])
+    for name in ("trace", "plot"):
         lines += _command(f"pimm {name}", captured_parser(_pimm(name)), INTROS[name])
+    lines += _command("pimm submit", captured_parser(_pimm("submit")), INTROS["submit_upstream"])
+    lines += _command("pimm submit", captured_parser(_pimm("submit", "--config-file", "CFG")), INTROS["submit"],
+                      title="pimm submit --config-file")
+    lines += _command("pimm watchdog", captured_parser(_pimm("watchdog")), INTROS["watchdog"])
     lines += _command("pimm export", captured_parser(_pimm("export", "RUN", "OUT")), INTROS["pimm_export"])
     lines += ["## `pimm torchrun`", "", TORCHRUN, ""]
     lines += _command("tools/convert_checkpoint.py", captured_parser(_convert_checkpoint), INTROS["convert"])

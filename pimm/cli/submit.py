@@ -18,6 +18,11 @@ submission, attempt start and requeue) live in ``save_path/slurm/``.
 
 Exit codes: 0 submitted (or printed with ``--dry-run``); 2 bad input (one
 ``error:`` line); 1 the submission itself failed.
+
+A command line without ``--config-file`` is upstream pimm's form (``--site``,
+``--train.config NAME``, ``--resources.*``, ``--chain.jobs``,
+``--interactive``, the ``--`` tail): :mod:`pimm.cli.submit_upstream`, which
+plans its batch jobs through :func:`plan` here.
 """
 
 from __future__ import annotations
@@ -29,14 +34,14 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pimm.distributed.slurm_task import _PORT_BASE, _PORT_SPAN, NodeTask, append_record, torchrun_command
 from pimm.cli.register import register_all
 from pimm.utils.errors import UserError
 
-__all__ = ["main", "parse_time"]
+__all__ = ["main", "parse_time", "plan", "guarded"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +136,8 @@ class JobPlan:
     parameters: dict  # submitit SlurmExecutor parameters
     task: NodeTask
     warning_signal: str
+    python: str | None = None  # submitit's python command (a container around it), None: this interpreter
+    secrets: dict = field(default_factory=dict)  # reach the job through the environment, never its script
 
 
 def _load_config(config_file: str, options: list[str], world_size: int, check_save_path: bool = True):
@@ -170,7 +177,9 @@ def plan(args) -> JobPlan:
     for flag in ("partition", "account", "qos", "job_name"):
         _plain_word(getattr(args, flag), "--" + flag.replace("_", "-"))
     extra = _slurm_options(args.slurm_option)
-    config_file = Path(args.config_file).expanduser()
+    from pimm.utils.config import config_file_path
+
+    config_file = config_file_path(args.config_file)  # pimm://... is a config shipped in the package
     if not config_file.is_file():
         raise UserError(f"--config-file {args.config_file!r}: no such file")
     if not TRAIN_SCRIPT.is_file():
@@ -212,7 +221,7 @@ def plan(args) -> JobPlan:
     return JobPlan(save_path=save_path, parameters=parameters, task=task, warning_signal=warning)
 
 
-def _executor(folder: Path, parameters: dict, dry_run: bool):
+def _executor(folder: Path, parameters: dict, dry_run: bool, python: str | None = None):
     from submitit import SlurmExecutor
 
     class _ScriptOnly(SlurmExecutor):
@@ -220,13 +229,13 @@ def _executor(folder: Path, parameters: dict, dry_run: bool):
         def affinity(cls) -> int:  # renders the script without SLURM installed
             return 1
 
-    executor = (_ScriptOnly if dry_run else SlurmExecutor)(folder=folder, max_num_timeout=0)
+    executor = (_ScriptOnly if dry_run else SlurmExecutor)(folder=folder, max_num_timeout=0, python=python)
     executor.update_parameters(**parameters)
     return executor
 
 
 def dry_run_text(job: JobPlan) -> str:
-    executor = _executor(job.save_path / "slurm", job.parameters, dry_run=True)
+    executor = _executor(job.save_path / "slurm", job.parameters, dry_run=True, python=job.python)
     script = executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
     marks = {"@NNODES@": '"$SLURM_NNODES"', "@NODEID@": '"$SLURM_NODEID"',
              "@MASTER@": '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
@@ -244,7 +253,7 @@ def dry_run_text(job: JobPlan) -> str:
 
 def submit(job: JobPlan, argv: list[str]) -> str:
     try:
-        executor = _executor(job.save_path / "slurm", job.parameters, dry_run=False)
+        executor = _executor(job.save_path / "slurm", job.parameters, dry_run=False, python=job.python)
     except RuntimeError as err:  # submitit: no srun on PATH
         raise UserError(f"no SLURM here ({err}); run pimm submit on a login node, or use --dry-run") from None
     submitted = executor.submit(job.task)
@@ -254,17 +263,12 @@ def submit(job: JobPlan, argv: list[str]) -> str:
     return submitted.job_id
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def guarded(run, argv: list[str]) -> int:
+    """``run(argv)`` with this command's exit codes: bad input is one ``error:``
+    line and 2, any other failure (sbatch refused the job, a file system error)
+    one ``error: submission failed`` line and 1."""
     try:
-        args = _parser().parse_args(argv)
-        job = plan(args)
-        # The command to run again, for the run's launch_command (config.py, run_metadata.json, W&B notes).
-        job.parameters["setup"].append(f"export PIMM_LAUNCH_COMMAND={shlex.quote(shlex.join(['pimm', 'submit', *argv]))}")
-        if args.dry_run:
-            print(dry_run_text(job), end="")
-            return EXIT_OK
-        job_id = submit(job, argv)
+        return run(argv)
     except UserError as err:
         if os.environ.get("PIMM_DEBUG") == "1":
             raise
@@ -276,9 +280,26 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(err).strip().splitlines() or [""])[0]
         print(f"error: submission failed: {type(err).__name__}: {first}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _own_form(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    job = plan(args)
+    # The command to run again, for the run's launch_command (config.py, run_metadata.json, W&B notes).
+    job.parameters["setup"].append(f"export PIMM_LAUNCH_COMMAND={shlex.quote(shlex.join(['pimm', 'submit', *argv]))}")
+    if args.dry_run:
+        print(dry_run_text(job), end="")
+        return EXIT_OK
+    job_id = submit(job, argv)
     print(f"Submitted job {job_id}: run in {job.save_path}, logs in {job.save_path / 'slurm'} "
           f"(requeued on {job.warning_signal} up to {args.max_requeues} times)")
     return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """pimm's own form (``--config-file``); ``pimm submit`` hands upstream's form
+    (``--site``, ``--train.config``, ...) to :mod:`pimm.cli.submit_upstream`."""
+    return guarded(_own_form, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
