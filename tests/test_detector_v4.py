@@ -13,8 +13,6 @@ from the same kwargs and compares every output.
 
 from __future__ import annotations
 
-import io
-import lzma
 from copy import deepcopy
 from pathlib import Path
 
@@ -23,16 +21,19 @@ import torch
 
 import pimm.models  # noqa: F401  (registers the models)
 from pimm.engines.registries import MODELS
-from pimm.engines.state.weights import load_weights
 from pimm.utils.errors import ConfigError
+from tests.support.detector_reference import compare
+from tests.support.detector_reference import expected as _expected
+from tests.support.detector_reference import flatten as _flatten
+from tests.support.detector_reference import load_reference, load_upstream_checkpoint
+from tests.support.detector_reference import run_input as _input
 
 FIXTURE = Path(__file__).parent / "fixtures" / "detector_v4" / "reference.pt.xz"
-TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return torch.load(io.BytesIO(lzma.decompress(FIXTURE.read_bytes())), weights_only=True)
+    return load_reference(FIXTURE)
 
 
 def _run_names() -> list[str]:
@@ -40,81 +41,9 @@ def _run_names() -> list[str]:
             "eval-unsupervised-masks", "train", "train-learned-filter"]
 
 
-def _flatten(value, path: str = "", out: dict | None = None) -> dict:
-    """{key path: tensor | None} of an output, as the fixture script writes it."""
-    out = {} if out is None else out
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _flatten(item, f"{path}.{key}" if path else str(key), out)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _flatten(item, f"{path}.{i}", out)
-    elif value is None or isinstance(value, torch.Tensor):
-        out[path] = value
-    elif isinstance(value, (int, float)):
-        out[path] = torch.tensor(float(value))
-    return out
-
-
-def _expected(ref: dict, leaves: list) -> dict:
-    out = {}
-    for path, kind, shape, start in leaves:
-        if kind == "none":
-            out[path] = None
-            continue
-        source = ref["floats"] if kind == "float" else ref["ints"]
-        out[path] = source[start:start + torch.Size(shape).numel()].reshape(shape)
-    return out
-
-
-def compare(got: dict, want: dict, what: str) -> dict:
-    """Same key paths, kinds and shapes; floats within TOLERANCE, integers
-    equal. Returns {path: max abs diff}."""
-    assert sorted(got) == sorted(want), (what, sorted(set(got) ^ set(want)))
-    diffs = {}
-    for path, expected in want.items():
-        actual = got[path]
-        if expected is None:
-            assert actual is None, (what, path)
-            continue
-        assert actual is not None and tuple(actual.shape) == tuple(expected.shape), (what, path)
-        if expected.is_floating_point():
-            assert actual.is_floating_point(), (what, path)
-            diff = (actual.detach().float() - expected).abs()
-            finite = torch.isfinite(expected)
-            assert torch.equal(torch.isfinite(actual.detach()), finite), (what, path)
-            diff = diff[finite]
-            worst = float(diff.max()) if diff.numel() else 0.0
-            assert worst <= TOLERANCE, (what, path, worst)
-            diffs[path] = worst
-        else:
-            assert not actual.is_floating_point() and torch.equal(actual.long(), expected.long()), (what, path)
-            diffs[path] = 0.0
-    return diffs
-
-
 def _model(ref: dict, run: dict, tmp_path: Path):
     model = MODELS.build(deepcopy(dict(ref["kwargs"], **run["overrides"])))
-    state, start = {}, 0
-    for name, shape in zip(ref["param_names"], ref["param_shapes"]):
-        n = torch.Size(shape).numel()
-        if name not in run["unused_params"]:
-            state["module." + name] = ref["params"][start:start + n].float().view(shape).clone()
-        start += n
-    ckpt = tmp_path / "upstream_v4.pth"
-    torch.save({"epoch": 1, "state_dict": state}, ckpt)
-    report = load_weights(model, ckpt, strict=True, allow_unexpected=False)
-    assert not report["missing"] and not report["unexpected"] and not report["mismatched"]
-    return model
-
-
-def _input(ref: dict, run: dict) -> dict:
-    keep = ("coord", "grid_coord", "offset", "feat")
-    data = {k: v.clone() for k, v in ref["input"].items() if run["truth"] or k in keep}
-    if run["events"] == 1:
-        n = int(data["offset"][0])
-        data = {k: v[:n] if k != "offset" else v[:1] for k, v in data.items()}
-    return data
+    return load_upstream_checkpoint(model, ref, run, tmp_path)
 
 
 def run_reference(ref: dict, name: str, tmp_path: Path) -> dict:

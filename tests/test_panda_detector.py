@@ -248,7 +248,7 @@ def test_model_trains_and_predicts_on_generated_events():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(point_filter=dict(type="stuff")), "point_filter"),
+    (dict(point_filter=dict(type="stuff", treshold=0.4)), "point_filter: unknown key.*treshold"),
     (dict(eval_label="pion"), "eval_label"),
     (dict(full_in_channels=99), "full_in_channels=99"),
     (dict(postprocess=dict(nms_kernel="box")), "nms_kernel"),

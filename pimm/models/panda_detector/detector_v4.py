@@ -6,10 +6,10 @@ state-dict names and output keys, so its configs build and its checkpoints
 The same model as ``detector-v5`` (:mod:`.detector`) in its older spelling: a
 point backbone (with ``enc_mode=True`` every encoder level is concatenated
 back onto the points, ``full_in_channels`` wide), a shared query decoder over
-several labels (:mod:`.decoder_v4`), per-label losses (an instance loss in
+several labels (:mod:`.decoder`, v5's), per-label losses (an instance loss in
 ``criteria`` becomes ``FastUnifiedInstanceLoss`` with the label's query heads)
 plus a stuff-head BCE, and :meth:`UnifiedDetectorV4.postprocess`
-(:mod:`.postprocess_v4`). Per-label settings come as separate arguments
+(:mod:`.postprocess`, v5's). Per-label settings come as separate arguments
 (:mod:`.specs_v4`); v4 also has an optional pre-attention ``point_filter``
 and attention-mask annealing.
 
@@ -36,8 +36,8 @@ from pimm.utils.domains import (Anything, Bool, Choice, Count, DictOf, Int, Key,
                                 Seq, Size, Weight)
 from pimm.utils.errors import ConfigError
 
-from .decoder_v4 import QueryDecoderV4
-from .postprocess_v4 import postprocess_batch_v4, select_label_outputs
+from .decoder import QueryDecoder
+from .postprocess import postprocess_batch, select_label_outputs
 from .specs_v4 import LOSS_HEAD_KEYS, build_label_specs, fold_query_heads
 
 __all__ = ["UnifiedDetectorV4"]
@@ -121,10 +121,10 @@ class UnifiedDetectorV4(nn.Module):
                               f"{backbone.get('type')!r} gives {declared} channels per point after up-casting")
         # Kept out of the state dict, as upstream's (a plain object there): its checkpoints hold no loss state.
         self.criteria_by_label = {label: self._criterion(label, criteria, criteria_by_label) for label in self.labels}
-        self.decoder = QueryDecoderV4(self.label_specs, full_in_channels, hidden_channels, num_heads, depth,
-                                      mlp_ratio, qkv_bias, qk_scale, attn_drop, proj_drop, drop_path, layer_scale,
-                                      norm_layer, act_layer, pre_norm, upcast_attention, pos_emb, mlp_point_proj,
-                                      supervise_attn_mask, self.point_filter_cfg)
+        self.decoder = QueryDecoder(self.label_specs, full_in_channels, hidden_channels, num_heads, depth, mlp_ratio,
+                                    qkv_bias, qk_scale, attn_drop, proj_drop, drop_path, layer_scale, norm_layer,
+                                    act_layer, pre_norm, upcast_attention, pos_emb, mlp_point_proj,
+                                    supervise_attn_mask, self.point_filter_cfg, owner="detector-v4")
         if attn_mask_anneal:
             self.decoder.set_attn_mask_anneal(True, attn_mask_anneal_steps, attn_mask_warmup_steps,
                                               attn_mask_progressive, attn_mask_progressive_delay)
@@ -203,13 +203,9 @@ class UnifiedDetectorV4(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, target)
 
     def _filter_loss(self, logits: torch.Tensor, input_dict: dict):
-        drop = (self.point_filter_cfg or {}).get("drop_classes") or []
         key = self._segment_key(input_dict, self.label_specs[self.eval_label])
-        if not drop or key not in input_dict:
-            return None
-        segment = _column(input_dict[key]).to(logits.device)
-        target = torch.isin(segment, segment.new_tensor([int(c) for c in drop])).to(logits.dtype)
-        return self.filter_loss_weight * F.binary_cross_entropy_with_logits(logits, target)
+        loss = self.decoder.point_filter.loss(logits, input_dict[key]) if key in input_dict else None
+        return None if loss is None else self.filter_loss_weight * loss
 
     def forward(self, input_dict: dict, return_point: bool = False) -> dict:
         feat, point = DefaultSegmentorV2.point_features(self.backbone(input_dict))
@@ -307,5 +303,5 @@ class UnifiedDetectorV4(nn.Module):
                          fill_uncovered=fill_uncovered)
         options = {**self.postprocess_cfg, **{k: v for k, v in overrides.items() if v is not None}}
         masks, logits, stuff, regression, counts = select_label_outputs(forward_output, label)
-        return postprocess_batch_v4(masks, logits, stuff, regression, counts,
-                                    stuff_classes=self.label_specs[label]["stuff_classes"], **options)
+        return postprocess_batch(masks, logits, stuff, regression, counts,
+                                 stuff_classes=self.label_specs[label]["stuff_classes"], **options)

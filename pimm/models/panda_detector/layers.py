@@ -1,17 +1,18 @@
-"""Building blocks of the detector's query decoder: multi-head attention over
-padded per-event batches, a two-layer MLP and the Mask2Former-style decoder
-block (masked cross-attention to the points, self-attention among the
-queries, feed-forward), which also predicts every query's point mask.
+"""The decoder block of both detectors (``detector-v5`` and ``detector-v4``)
+under upstream's module and parameter names (``self_attn.q`` / ``self_attn.kv``,
+``cross_attn.q_proj`` / ``k_proj`` / ``v_proj``, ``mask_mlp``, the
+``anneal_progress`` buffer), so upstream's checkpoints of either load as they
+are: masked cross-attention to the points, self-attention among the queries
+and a feed-forward, and every query's point-mask prediction.
 
-Queries are (B, Q, C): every event has the same learned query bank. Points are
-padded to (B, P, C) with a validity mask, so one batched attention call serves
-the batch and padded points never receive attention (an additive bias of
-``_PAD``), nor do points of another event (they are in another row).
+Queries are (B, Q, C): every event has the same learned query bank. Points
+are padded to (B, P, C) with a validity mask, so one batched attention serves
+the batch and no query sees a padded point (an additive bias of ``_PAD``) nor
+another event's points (they are in another row). Upstream packs the batch
+and gives another event's points the same -1e4 bias instead: the same numbers.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +20,9 @@ from torch import nn
 
 from pimm.models.ptv3.blocks import DropPath, LayerScale
 
-__all__ = ["MLP", "Attention", "DecoderBlock"]
+__all__ = ["MLP", "SelfAttentionLayer", "CrossAttentionLayer", "Block"]
 
-_PAD = -1e4  # additive attention bias of a padded point: exp(-1e4) is exactly 0 in float32
+_PAD = -1e4  # additive bias of a padded point: exp(-1e4) is exactly 0 in float32
 
 
 class MLP(nn.Module):
@@ -42,78 +43,127 @@ class MLP(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
-class Attention(nn.Module):
-    """Multi-head attention of (B, Lq, C) queries over (B, Lk, C) keys/values,
-    with an optional additive bias (B, Lq, Lk) shared by the heads.
+def _attend(q, k, v, num_heads: int, scale: float, bias, dropout: float, upcast: bool) -> torch.Tensor:
+    """Multi-head SDPA of (B, Lq, C) over (B, Lk, C) with an additive (B, Lq, Lk) bias."""
+    b, lq, c = q.shape
+    heads = [x.reshape(b, x.shape[1], num_heads, c // num_heads).transpose(1, 2) for x in (q, k, v)]
+    dtype = q.dtype
+    if upcast:
+        heads = [x.float() for x in heads]
+    mask = None if bias is None else bias.unsqueeze(1).to(heads[0].dtype)
+    out = F.scaled_dot_product_attention(*heads, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.to(dtype).transpose(1, 2).reshape(b, lq, c)
 
-    ``upcast_attention``: compute the attention in float32 whatever the
-    autocast dtype (the products of long point sequences lose precision in
-    bfloat16)."""
 
-    def __init__(self, channels: int, num_heads: int, qkv_bias: bool = False, qk_scale: float | None = None,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0, upcast_attention: bool = False):
+class SelfAttentionLayer(nn.Module):
+    """Self-attention among one event's queries: ``q`` and a fused ``kv``
+    projection. Positions are added to queries and keys, not to values.
+
+    Upstream rounds q, k and v to bfloat16 before this attention (its flash
+    kernel's input type, and on the fallback path too); pimm computes it in
+    the input dtype (docs/models.md)."""
+
+    def __init__(self, channels: int, num_heads: int = 8, qkv_bias: bool = False, qk_scale: float | None = None,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, upcast_attention: bool = True):
         super().__init__()
-        self.num_heads = num_heads
+        self.channels, self.num_heads = channels, num_heads
         self.scale = qk_scale or (channels // num_heads) ** -0.5
         self.q = nn.Linear(channels, channels, bias=qkv_bias)
-        self.k = nn.Linear(channels, channels, bias=qkv_bias)
-        self.v = nn.Linear(channels, channels, bias=qkv_bias)
-        self.proj = nn.Linear(channels, channels)
-        self.attn_drop, self.proj_drop = attn_drop, nn.Dropout(proj_drop)
-        self.upcast = upcast_attention
+        self.kv = nn.Linear(channels, channels * 2, bias=qkv_bias)
+        self.attn_drop, self.proj = nn.Dropout(attn_drop), nn.Linear(channels, channels)
+        self.proj_drop, self.upcast_attention = nn.Dropout(proj_drop), upcast_attention
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        return x.reshape(b, n, self.num_heads, c // self.num_heads).transpose(1, 2)
+    def _half(self, x: torch.Tensor, second: bool) -> torch.Tensor:
+        part = slice(self.channels, None) if second else slice(0, self.channels)
+        bias = None if self.kv.bias is None else self.kv.bias[part]
+        return F.linear(x, self.kv.weight[part], bias)
 
-    def forward(self, query, key, value, bias: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self._heads(self.q(query)), self._heads(self.k(key)), self._heads(self.v(value))
-        dtype = q.dtype
-        if self.upcast:
-            q, k, v = q.float(), k.float(), v.float()
-        mask = None if bias is None else bias.unsqueeze(1).to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                             dropout_p=self.attn_drop if self.training else 0.0)
-        out = out.to(dtype).transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        with_pos = x if pos is None else x + pos
+        out = _attend(self.q(with_pos), self._half(with_pos, False), self._half(x, True), self.num_heads, self.scale,
+                      None, self.attn_drop.p if self.training else 0.0, self.upcast_attention)
         return self.proj_drop(self.proj(out))
 
 
-class DecoderBlock(nn.Module):
-    """Masked cross-attention -> self-attention -> feed-forward, pre- or post-norm.
+class CrossAttentionLayer(nn.Module):
+    """Queries attending to the points: ``q_proj``, ``k_proj``, ``v_proj``, ``proj``."""
 
-    With a mask head (``with_mask``) the block first predicts each query's
-    mask logits over the points, ``z = norm(points) . mask_mlp(queries)``
-    (B, Q, P), from the queries it receives. With ``use_mask_as_bias`` those
-    (detached) probabilities bias the cross-attention, ``log(sigmoid(z) +
-    eps)`` times the annealing factor: a query looks mostly at the points it
-    already claims, and the bias never reaches -inf, so a query whose mask is
-    empty still sees every point."""
+    def __init__(self, channels: int, num_heads: int = 8, qkv_bias: bool = False, qk_scale: float | None = None,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, upcast_attention: bool = True):
+        super().__init__()
+        self.channels, self.num_heads = channels, num_heads
+        self.scale = qk_scale or (channels // num_heads) ** -0.5
+        self.q_proj = nn.Linear(channels, channels, bias=qkv_bias)
+        self.k_proj = nn.Linear(channels, channels, bias=qkv_bias)
+        self.v_proj = nn.Linear(channels, channels, bias=qkv_bias)
+        self.attn_drop, self.proj = nn.Dropout(attn_drop), nn.Linear(channels, channels)
+        self.proj_drop, self.upcast_attention = nn.Dropout(proj_drop), upcast_attention
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    def forward(self, q, k, v, bias: torch.Tensor) -> torch.Tensor:
+        out = _attend(self.q_proj(q), self.k_proj(k), self.v_proj(v), self.num_heads, self.scale, bias,
+                      self.attn_drop.p if self.training else 0.0, self.upcast_attention)
+        return self.proj_drop(self.proj(out))
+
+
+class Block(nn.Module):
+    """Masked cross-attention -> self-attention -> feed-forward (pre- or
+    post-norm), with the block's own mask prediction ``z = norm_kv(points) .
+    mask_mlp(queries)`` from the queries it receives.
+
+    With ``supervise_attn_mask`` the (detached) ``log(sigmoid(z) + eps)``
+    biases the cross-attention, times the annealing factor when annealing is
+    on: 1 through ``attn_mask_warmup_steps``, then ``0.5 (1 + cos(pi t))``
+    with t going 0 -> 1 over ``attn_mask_anneal_steps`` (``anneal_progress``).
+    Without it only the last block predicts masks, and none biases attention."""
 
     def __init__(self, channels: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False,
                  qk_scale: float | None = None, attn_drop: float = 0.0, proj_drop: float = 0.0,
                  drop_path: float = 0.0, layer_scale: float | None = None, norm_layer=nn.LayerNorm,
                  act_layer=nn.GELU, pre_norm: bool = True, upcast_attention: bool = False,
-                 with_mask: bool = True, use_mask_as_bias: bool = True, mask_eps: float = 1e-6):
+                 attn_mask_eps: float = 1e-6, attn_mask_anneal: bool = False, attn_mask_anneal_steps: int = 10000,
+                 attn_mask_warmup_steps: int = 0, supervise_attn_mask: bool = True, is_last_block: bool = False):
         super().__init__()
-        if channels % num_heads:
-            raise ValueError(f"hidden_channels={channels} must be divisible by num_heads={num_heads}")
-        self.pre_norm, self.use_mask_as_bias, self.mask_eps = pre_norm, use_mask_as_bias, mask_eps
-        attn = dict(qkv_bias=qkv_bias, qk_scale=qk_scale, attn_drop=attn_drop, proj_drop=proj_drop,
-                    upcast_attention=upcast_attention)
-        self.norm_kv = norm_layer(channels)
-        self.norm1, self.norm2, self.norm3 = norm_layer(channels), norm_layer(channels), norm_layer(channels)
-        self.cross_attn = Attention(channels, num_heads, **attn)
-        self.self_attn = Attention(channels, num_heads, **attn)
-        self.mlp = MLP(channels, int(channels * mlp_ratio), channels, act_layer=act_layer, drop=proj_drop)
+        self.pre_norm, self.attn_mask_eps, self.supervise_attn_mask = pre_norm, attn_mask_eps, supervise_attn_mask
+        self.attn_mask_anneal, self.attn_mask_anneal_steps = attn_mask_anneal, attn_mask_anneal_steps
+        self.attn_mask_warmup_steps, self._current_step = attn_mask_warmup_steps, 0
+        self.register_buffer("anneal_progress", torch.tensor(0.0))  # 0: full mask bias, 1: none
+        attention = dict(qkv_bias=qkv_bias, qk_scale=qk_scale, attn_drop=attn_drop, proj_drop=proj_drop,
+                         upcast_attention=upcast_attention)
         scale = (lambda: LayerScale(channels, layer_scale)) if layer_scale is not None else nn.Identity
-        self.ls1, self.ls2, self.ls3 = scale(), scale(), scale()
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.mask_mlp = MLP(channels, channels, channels) if with_mask else None
-        # 1.0: the full mask bias; annealing (AttentionMaskAnnealingHook) may lower it toward 0.
-        self.register_buffer("anneal_factor", torch.ones(()), persistent=True)
+        self.norm1, self.ls1, self.norm_kv = norm_layer(channels), scale(), norm_layer(channels)
+        self.self_attn = SelfAttentionLayer(channels, num_heads, **attention)
+        self.norm2, self.ls2 = norm_layer(channels), scale()
+        self.cross_attn = CrossAttentionLayer(channels, num_heads, **attention)
+        self.norm3, self.ls3 = norm_layer(channels), scale()
+        self.mlp = MLP(channels, int(channels * mlp_ratio), channels, act_layer=act_layer, drop=proj_drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        if supervise_attn_mask or is_last_block:
+            self.mask_mlp = MLP(channels, channels, channels)
+
+    # -- annealing ------------------------------------------------------------------
+    def set_anneal_step(self, step: int) -> None:
+        if self.attn_mask_anneal and self.attn_mask_anneal_steps > 0:
+            self._current_step = step
+            progress = 0.0 if step < self.attn_mask_warmup_steps else min(
+                (step - self.attn_mask_warmup_steps) / self.attn_mask_anneal_steps, 1.0)
+            self.anneal_progress.fill_(progress)
+
+    def get_anneal_factor(self) -> float:
+        if not self.attn_mask_anneal or self._current_step < self.attn_mask_warmup_steps:
+            return 1.0
+        # upstream's constant, kept so a resumed factor is bit-identical to upstream's
+        return 0.5 * (1.0 + torch.cos(self.anneal_progress * 3.14159)).item()
+
+    # -- forward --------------------------------------------------------------------
+    @staticmethod
+    def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.float()).to(x.dtype)
 
     @staticmethod
     def _with(x, pos):
@@ -124,36 +174,27 @@ class DecoderBlock(nn.Module):
         return q + self.drop_path(scale(update).reshape(b * n, c)).reshape(b, n, c)
 
     def forward(self, q, points, valid, pos_q=None, pos_k=None):
-        """``q`` (B, Q, C), ``points`` (B, P, C), ``valid`` (B, P) bool ->
-        (updated queries, mask logits (B, Q, P) or None)."""
-        kv = self.norm_kv(points.float()).to(points.dtype)
+        """``q`` (B, Q, C), ``points`` (B, P, C), ``valid`` (B, P) -> (queries,
+        mask logits (B, Q, P) or None)."""
+        kv = self._norm(self.norm_kv, points)
         pad = (~valid).unsqueeze(1).to(kv.dtype) * _PAD  # (B, 1, P)
-        mask_logits = None
-        bias = pad
-        if self.mask_mlp is not None:
+        mask_logits, bias = None, pad
+        if hasattr(self, "mask_mlp"):
             mask_logits = torch.einsum("bpc,bqc->bqp", kv, self.mask_mlp(q))
-            if self.use_mask_as_bias:
-                bias = torch.log(mask_logits.detach().float().sigmoid() + self.mask_eps) * self.anneal_factor
-                bias = bias.to(kv.dtype) + pad
+            if self.supervise_attn_mask:
+                bias = torch.log(mask_logits.detach().sigmoid() + self.attn_mask_eps)
+                if self.attn_mask_anneal:
+                    bias = bias * self.get_anneal_factor()
+                bias = bias.masked_fill(~valid.unsqueeze(1), _PAD)
         bias = bias.expand(q.shape[0], q.shape[1], kv.shape[1])
         if self.pre_norm:
-            qn = self.norm1(q)
+            qn = self._norm(self.norm1, q)
             q = self._residual(q, self.cross_attn(self._with(qn, pos_q), self._with(kv, pos_k), kv, bias), self.ls1)
-            qn = self.norm2(q)
-            q = self._residual(q, self.self_attn(self._with(qn, pos_q), self._with(qn, pos_q), qn), self.ls2)
-            q = self._residual(q, self.mlp(self.norm3(q)), self.ls3)
+            q = self._residual(q, self.self_attn(self._norm(self.norm2, q), pos_q), self.ls2)
+            q = self._residual(q, self.mlp(self._norm(self.norm3, q)), self.ls3)
         else:
-            q = self.norm1(self._residual(q, self.cross_attn(self._with(q, pos_q), self._with(kv, pos_k), kv, bias),
-                                          self.ls1))
-            q = self.norm2(self._residual(q, self.self_attn(self._with(q, pos_q), self._with(q, pos_q), q), self.ls2))
-            q = self.norm3(self._residual(q, self.mlp(q), self.ls3))
+            q = self._residual(q, self.cross_attn(self._with(q, pos_q), self._with(kv, pos_k), kv, bias), self.ls1)
+            q = self._norm(self.norm1, q)
+            q = self._norm(self.norm2, self._residual(q, self.self_attn(q, pos_q), self.ls2))
+            q = self._norm(self.norm3, self._residual(q, self.mlp(q), self.ls3))
         return q, mask_logits
-
-
-def cosine_anneal(step: int, steps: int, warmup: int = 0) -> float:
-    """Mask-bias factor at ``step``: 1 through ``warmup``, then a cosine from
-    1 down to 0 over ``steps`` steps (upstream's annealing schedule)."""
-    if steps <= 0 or step < warmup:
-        return 1.0
-    progress = min((step - warmup) / steps, 1.0)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -14,18 +14,21 @@ query left with fewer than ``min_points`` unclaimed points paints nothing).
 that the NMS survivors left uncovered. Points of stuff (stuff probability at
 ``stuff_threshold``) end as instance -1.
 
-Returned per point (the batch concatenated): ``instance_labels`` (-1 none,
-else 1-based within the event), ``class_labels`` (``background_class_label``
-where none), ``confidences``, ``query_labels`` (the painting query) and each
-query head's value of the painting query, ``instance_<name>`` / ``pred_<name>``
-(nan where none).
+Returned per point (the batch concatenated): ``instance_labels`` (-1 none;
+:func:`postprocess_event` numbers an event's instances from 1, and
+:func:`postprocess_batch` makes them unique in the batch as upstream does:
+each event's ids are shifted by one more than the largest id before it, so
+event 2's first instance is event 1's last plus 2),
+``class_labels`` (``background_class_label`` where none), ``confidences``,
+``query_labels`` (the painting query) and, with query heads, each head's value
+of the painting query, ``instance_<name>`` / ``pred_<name>`` (nan where none).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["matrix_nms", "postprocess_event", "postprocess_batch"]
+__all__ = ["matrix_nms", "postprocess_event", "postprocess_batch", "select_label_outputs"]
 
 
 @torch.no_grad()
@@ -129,22 +132,54 @@ def postprocess_event(masks: torch.Tensor, logits: torch.Tensor, stuff_probs: to
 
 @torch.no_grad()
 def postprocess_batch(pred_masks: list, pred_logits: list, stuff_probs: torch.Tensor | None = None,
-                      pred_regression: dict | None = None, **options) -> dict:
-    """:func:`postprocess_event` on every event of a batch, concatenated per point
-    (instance ids stay per event, as the batch's ``offset`` separates events)."""
-    events, start = [], 0
+                      pred_regression: dict | None = None, point_counts: torch.Tensor | None = None,
+                      **options) -> dict:
+    """Per point over the batch: ``instance_labels`` (-1: none; ids unique in
+    the batch), ``class_labels``, ``confidences``, ``query_labels`` and, with
+    query heads, each head's value of the painting query. The stuff
+    probabilities are cut per event by ``point_counts`` (upstream ignores
+    them when the counts are not given)."""
+    if stuff_probs is not None and point_counts is None:
+        stuff_probs = None
+    starts = [0]
+    for masks in pred_masks:
+        starts.append(starts[-1] + masks.shape[1])
+    events, next_id = [], 0
     for b, (masks, logits) in enumerate(zip(pred_masks, pred_logits)):
-        n = masks.shape[1]
-        stuff = None if stuff_probs is None else stuff_probs[start:start + n]
-        regression = {k: v[b] for k, v in (pred_regression or {}).items()}
-        events.append(postprocess_event(masks, logits, stuff, regression, **options))
-        start += n
-    if not events:
-        return {}
-    out = {}
-    for key, value in events[0].items():
-        if isinstance(value, dict):
-            out[key] = {k: torch.cat([e[key][k] for e in events]) for k in value}
-        else:
-            out[key] = torch.cat([e[key] for e in events])
+        stuff = None if stuff_probs is None else stuff_probs[starts[b]:starts[b + 1]]
+        regression = {name: values[b] for name, values in (pred_regression or {}).items()}
+        event = postprocess_event(masks, logits, stuff, regression, **options)
+        ids = event["instance_labels"]
+        assigned = ids >= 0
+        if assigned.any():
+            ids[assigned] += next_id
+            next_id = int(ids.max()) + 1
+        events.append(event)
+    out = {key: torch.cat([e[key] for e in events]) if events else torch.zeros(0)
+           for key in ("instance_labels", "class_labels", "confidences", "query_labels")}
+    names = list(events[0]["instance_regression"]) if events else []
+    if names:
+        out["instance_regression"] = {name: torch.cat([e["instance_regression"][name] for e in events])
+                                      for name in names}
+        for name, values in out["instance_regression"].items():
+            out[f"instance_{name}"] = out[f"pred_{name}"] = values
+        out["instance_momentum"] = out["instance_regression"].get("momentum")
     return out
+
+
+def select_label_outputs(forward_output: dict, label: str) -> tuple:
+    """(pred_masks, pred_logits, stuff_probs, pred_regression, point_counts)
+    of ``label`` from a forward output: its ``outputs_by_label``, else its
+    ``*_by_label`` maps, else the plain keys (upstream's three forms)."""
+    counts = forward_output.get("point_counts")
+    if counts is None:
+        counts = forward_output.get(f"{label}_point_counts")
+    if "outputs_by_label" in forward_output:
+        out = forward_output["outputs_by_label"][label]
+        return out["pred_masks"], out["pred_logits"], out.get("stuff_probs"), out.get("pred_regression"), counts
+    if label in forward_output.get("pred_masks_by_label", {}):
+        return (forward_output["pred_masks_by_label"][label], forward_output["pred_logits_by_label"][label],
+                forward_output.get("stuff_probs_by_label", {}).get(label),
+                forward_output.get("pred_regression_by_label", {}).get(label), counts)
+    return (forward_output["pred_masks"], forward_output["pred_logits"], forward_output.get("stuff_probs"),
+            forward_output.get("pred_regression"), counts)

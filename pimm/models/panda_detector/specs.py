@@ -9,6 +9,8 @@ time, so a misspelt key is one line naming it instead of a crash mid-step.
   count, classes, per-point truth keys, stuff classes and loss.
 * :class:`PostprocessSpec`: thresholds and matrix-NMS settings of the
   panoptic fusion (:mod:`pimm.models.panda_detector.postprocess`).
+* :class:`PointFilterSpec`: the optional point selection before the
+  decoder's cross-attention (:class:`pimm.models.panda_detector.decoder.PointFilter`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from pimm.utils.domains import (Bool, Choice, Count, Domain, Int, Key, MAX_SIZE,
                                 Weight, show)
 from pimm.utils.errors import ConfigError
 
-__all__ = ["QueryHead", "LabelSpec", "PostprocessSpec", "parse_record", "LOSS_HEAD_KEYS", "LabelsDomain",
-           "RecordOf", "POSTPROCESS_DOMAINS"]
+__all__ = ["QueryHead", "LabelSpec", "PostprocessSpec", "PointFilterSpec", "parse_record", "LOSS_HEAD_KEYS",
+           "LabelsDomain", "RecordOf", "POSTPROCESS_DOMAINS", "POINT_FILTER_DOMAINS"]
 
 # The query-head keys FastUnifiedInstanceLoss reads; the rest shape the head itself.
 LOSS_HEAD_KEYS = ("name", "kind", "pred_key", "target_key", "aggregation", "loss_weight", "criterion", "required",
@@ -158,6 +160,22 @@ class PostprocessSpec:
         return values
 
 
+@dataclass
+class PointFilterSpec:
+    """Which points the decoder attends to (upstream's PointFilterConfig)."""
+
+    type: str = "stuff"  # a learned per-point head, or "energy_threshold"
+    threshold: float = 0.5
+    drop_classes: list = field(default_factory=list)
+    train_filter_use_gt: bool = False
+    energy_channel: int = 0
+    energy_threshold: float = 0.0
+
+    def __post_init__(self):
+        if self.type not in ("stuff", "energy_threshold"):
+            raise ConfigError(f"point_filter: type must be 'stuff' or 'energy_threshold', got {self.type!r}")
+
+
 # -- domains: checked on the resolved config, before anything is built -------------------
 class RecordOf(Domain):
     """A dict whose known keys each take their own domain; a bad entry is
@@ -213,6 +231,9 @@ POSTPROCESS_DOMAINS = dict(stuff_threshold=Prob, mask_threshold=Prob, conf_thres
                            nms_max=Int(-1, 10**6), min_points=Count, fill_uncovered=Bool,
                            background_class_label=Int(-1, MAX_SIZE), dedup_iou=Prob | Null,
                            dedup_same_pid=_OPTIONAL_BOOL)
+POINT_FILTER_DOMAINS = dict(type=Choice("stuff", "energy_threshold"), threshold=Prob,
+                            drop_classes=Seq(Count, what="a list of class ids"), train_filter_use_gt=Bool,
+                            energy_channel=Count, energy_threshold=Real(-1e9, 1e9))
 
 
 class LabelsDomain(Domain):

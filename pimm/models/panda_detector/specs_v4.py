@@ -97,6 +97,8 @@ def normalize_query_heads(heads) -> list[Settings]:
             head.setdefault("aggregation", "mode")
             head.setdefault("squeeze", False)
             head.setdefault("criterion", dict(type="CrossEntropyHeadLoss", reduction="mean"))
+        # the decoder's view of the head (v5's QueryHead reads the same); upstream's v4 has no unit_normalize
+        head.update(out_dim=head["dim"], squeezed=bool(head["squeeze"]), unit_normalize=False)
         if head["aggregation"] not in _AGGREGATIONS[kind]:
             raise ConfigError(f"detector-v4: {kind} query head {name!r}: aggregation must be "
                               f"{' or '.join(map(repr, _AGGREGATIONS[kind]))}, got {head['aggregation']!r}")
