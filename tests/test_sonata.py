@@ -272,10 +272,3 @@ def test_training_without_model_hook_is_refused():
     with torch.no_grad():
         model(batch)  # an evaluation pass does not count
     assert model._forwards_since_update == 0
-
-
-def test_sonata_v1m2_names_what_to_use():
-    """Upstream registers Sonata-v1m2 but none of its configs uses it: asking for it is one line naming v1m1."""
-    from pimm.utils.registry import RegistryError
-    with pytest.raises(RegistryError, match="'Sonata-v1m2' is not available in pimm: Sonata-v1m1"):
-        MODELS.build(dict(type="Sonata-v1m2", backbone=dict(type="PT-v3m2")))

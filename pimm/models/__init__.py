@@ -2,7 +2,9 @@
 
 from pimm.engines.registries import MODELS
 
-from . import (grpo, instance, instance_affinity, lora, losses, panda_detector, pmt_grid, polarmae, ptv3,  # noqa: F401
-               ring_cnn, ring_gan, segmentor_v2, segmentors, sonata, sparse_unet, upstream_hints, wrappers)  # (register)
+from . import (dino_segmentor, grpo, instance, instance_affinity, litept, lora, losses, mink_unet,  # noqa: F401
+               panda_detector, pmt_grid, point_group, polarmae, ptv1, ptv2, ptv3, ring_cnn, ring_gan, segmentor_v2,
+               segmentors, sonata, sparse_unet, spconv_unet, spconv_unet_pdnorm, upstream_hints, volt,
+               wrappers)  # (register)
 
 __all__ = ["MODELS"]

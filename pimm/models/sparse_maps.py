@@ -220,14 +220,16 @@ def _layout(plan: _BucketPlan, level: int, slots: torch.Tensor, in_idx: torch.Te
 
 
 def _maps_from_table(found: torch.Tensor, nbr: torch.Tensor, out_bounds: list[int], in_bounds: list[int],
-                     identity: int, child_entry: torch.Tensor | None = None) -> list[KernelMap]:
+                     identity: int, child_entry: torch.Tensor | None = None,
+                     kept: torch.Tensor | None = None) -> list[KernelMap]:
     """Per-level kernel maps of a (K, N) table over the stacked output voxels
     of several levels: ``found[k, o]`` says output ``o`` has a pair at offset
     ``k``, whose input is the stacked row ``nbr[k, o]``; pairs never cross
     levels. Grouping by input: for a submanifold map (``child_entry`` None)
     it is the grouping by output mirrored, as pair (k, o <- j) mirrors
     (K-1-k, j <- o); for a strided map every input has exactly one pair, the
-    one at table entry ``child_entry[i]``.
+    one at table entry ``child_entry[i]`` (with ``kept``, a mask over the
+    inputs: only those have one, ``child_entry`` listing theirs in order).
     """
     kvol, n = found.shape
     device = found.device
@@ -259,6 +261,11 @@ def _maps_from_table(found: torch.Tensor, nbr: torch.Tensor, out_bounds: list[in
     else:
         child_offset = torch.div(child_entry, n, rounding_mode="floor")
         in_slot = slot_of(child_offset, child_entry - child_offset * n)
+        if kept is None:
+            in_starts, kept_bounds = torch.arange(in_bounds[-1], device=device), in_bounds
+        else:  # inputs outside every output (spconv's spatial extent) are summed nowhere
+            in_starts = torch.cumsum(kept, 0).sub_(kept.long())
+            kept_bounds = torch.cat([in_starts, in_starts.new_tensor([child_entry.shape[0]])])[in_bounds].tolist()
 
     maps = []
     for level in range(levels):
@@ -269,7 +276,8 @@ def _maps_from_table(found: torch.Tensor, nbr: torch.Tensor, out_bounds: list[in
         if child_entry is None:
             to_in = RowSum(in_slot[p0:p1], starts)
         else:
-            to_in = RowSum(in_slot[i0:i1], torch.arange(i1 - i0, device=device))
+            k0, k1 = kept_bounds[level:level + 2]
+            to_in = RowSum(in_slot[k0:k1], in_starts[i0:i1] - k0)
         layout = _layout(plan, level, slots, src[p0:p1] - i0, out[p0:p1] - o0, RowSum(slots, starts), to_in)
         maps.append(KernelMap(layout, i1 - i0, o1 - o0, identity))
     return maps
@@ -301,9 +309,11 @@ def _submanifold_maps(grid: torch.Tensor, level_batch: torch.Tensor, bounds: lis
     return _maps_from_table(found, nbr, bounds, bounds, centre)
 
 
-def _stride_maps(grids: list[torch.Tensor], parents: list[torch.Tensor], stride: int) -> list[KernelMap]:
+def _stride_maps(grids: list[torch.Tensor], parents: list[torch.Tensor], stride: int,
+                 orphans: bool = False) -> list[KernelMap]:
     """Maps from each level to the next, coarser one (``parents[l]``: the
-    level-(l+1) voxel of every level-l voxel)."""
+    level-(l+1) voxel of every level-l voxel; with ``orphans``, -1 for a voxel
+    that has none)."""
     device = grids[0].device
     kvol = stride**3
     fine = torch.cat(grids[:-1])
@@ -314,19 +324,22 @@ def _stride_maps(grids: list[torch.Tensor], parents: list[torch.Tensor], stride:
         coarse_bounds.append(coarse_bounds[-1] + g_coarse.shape[0])
     num_coarse = coarse_bounds[-1]
     parent = torch.cat([p + b for p, b in zip(parents, coarse_bounds[:-1])])
-    coarse = torch.cat(grids[1:])
-    local = fine - coarse.index_select(0, parent) * stride
+    kept = torch.cat(parents) >= 0 if orphans else None
+    rows = torch.arange(fine.shape[0], device=device)
+    if kept is not None:
+        rows, parent = rows[kept], parent[kept]
+        fine = fine.index_select(0, rows)
+    local = fine - torch.cat(grids[1:]).index_select(0, parent) * stride
     child_pos = (local[:, 0] * stride + local[:, 1]) * stride + local[:, 2]
     entry = child_pos * num_coarse + parent
     found = torch.zeros(kvol * num_coarse, dtype=torch.bool, device=device).index_fill_(0, entry, True)
-    child = torch.empty(kvol * num_coarse, dtype=torch.long, device=device)
-    child.index_copy_(0, entry, torch.arange(fine.shape[0], device=device))
+    child = torch.empty(kvol * num_coarse, dtype=torch.long, device=device).index_copy_(0, entry, rows)
     return _maps_from_table(found.view(kvol, num_coarse), child.view(kvol, num_coarse), coarse_bounds, fine_bounds,
-                            -1, child_entry=entry)
+                            -1, child_entry=entry, kept=kept)
 
 
 def kernel_map_pyramid(grid: torch.Tensor, batch: torch.Tensor, levels: int, kernel_size: int = 3,
-                       stride: int = 2) -> tuple[list[KernelMap], list[KernelMap]]:
+                       stride: int = 2, extent: list[int] | None = None) -> tuple[list[KernelMap], list[KernelMap]]:
     """All maps of a ``levels``-deep U-Net over distinct voxels ``grid`` (as
     :func:`~pimm.models.point_ops.voxelize` returns them): level ``l`` holds
     the voxels at stride ``stride**l``.
@@ -335,10 +348,22 @@ def kernel_map_pyramid(grid: torch.Tensor, batch: torch.Tensor, levels: int, ker
     ``kernel_size``^3 submanifold map of level ``l``, ``strided[l]`` the
     stride-``stride`` map from level ``l`` to ``l+1`` (its ``transposed()``
     goes back up).
+
+    ``extent`` (per axis, level 0) bounds the grid as spconv's
+    ``spatial_shape`` does: a strided level spans ``(e - stride) // stride + 1``
+    (at least 1), and a voxel whose parent lies beyond has none (it feeds no
+    coarser voxel and gets nothing back up).
     """
-    grids, batches, parents = [grid], [batch], []
+    grids, batches, parents, orphans = [grid], [batch], [], False
     for _ in range(levels - 1):
         coarse, cbatch, parent = voxelize(torch.div(grids[-1], stride, rounding_mode="floor"), batches[-1])
+        if extent is not None:
+            extent = [max(1, (e - stride) // stride + 1) for e in extent]
+            inside = (coarse < torch.tensor(extent, device=coarse.device)).all(1)
+            if not bool(inside.all()):
+                orphans = True
+                renumber = torch.cumsum(inside, 0).sub_(1).masked_fill_(~inside, -1)
+                coarse, cbatch, parent = coarse[inside], cbatch[inside], renumber.index_select(0, parent)
         grids.append(coarse)
         batches.append(cbatch)
         parents.append(parent)
@@ -350,7 +375,7 @@ def kernel_map_pyramid(grid: torch.Tensor, batch: torch.Tensor, levels: int, ker
     # the stacked voxels sorted by key, as the neighbour search prefers.
     level_batch = torch.cat([b + level * num_events for level, b in enumerate(batches)])
     subm = _submanifold_maps(torch.cat(grids), level_batch, bounds, kernel_size)
-    strided = _stride_maps(grids, parents, stride) if levels > 1 else []
+    strided = _stride_maps(grids, parents, stride, orphans) if levels > 1 else []
     return subm, strided
 
 

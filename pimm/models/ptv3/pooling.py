@@ -150,8 +150,9 @@ class _Unpooling(PointModule):
             parent["feat"] = skip + up.index_select(0, inverse)
         if self.cpe_sees_skip_only:
             parent["cpe_input"] = skip
-        if self.traceable:
+        if self.traceable:  # as upstream: the level below and how its points map onto this one's
             parent["unpooling_parent"] = point
+            parent["unpooling_inverse"] = inverse
         return parent
 
 

@@ -33,7 +33,7 @@ from pimm.utils.errors import ConfigError
 from .attention import SerializedAttention
 from .rows import PatchRows
 
-__all__ = ["AxisRoPE", "RoPEAttention"]
+__all__ = ["AxisRoPE", "RoPEAttention", "rotate_axes"]
 
 
 class AxisRoPE(nn.Module):
@@ -65,17 +65,25 @@ class AxisRoPE(nn.Module):
 
     def forward(self, q: torch.Tensor, key: torch.Tensor, xyz: torch.Tensor):
         """``q``, ``key`` (P, H, K, D), ``xyz`` (P, K, 3) -> rotated ``q``, ``key``."""
-        xyz = self._augment(xyz)
-        half = self.inv_freq.numel()
-        angle = (xyz.unsqueeze(-1) * self.inv_freq).unsqueeze(1).unsqueeze(-2)  # (P, 1, K, 3, 1, D/6)
-        cos, sin = angle.cos(), angle.sin()
+        return rotate_axes((q, key), self._augment(xyz), self.inv_freq)
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            pairs = x.unflatten(-1, (3, 2, half))  # per axis: the two halves that rotate together
-            turned = torch.stack((-pairs[..., 1, :], pairs[..., 0, :]), dim=-2)
-            return (pairs * cos + turned * sin).flatten(-3).to(x.dtype)
 
-        return rotate(q), rotate(key)
+def rotate_axes(tensors, xyz: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``tensors`` (P, H, K, D) rotated by the positions ``xyz`` (P, K, 3)
+    of its slots: head chunk ``a`` (of three, ``D / 3`` channels) by axis
+    ``a``, its two halves as pairs turned by ``xyz[..., a] * inv_freq``
+    (``inv_freq``: ``D / 6`` frequencies); angles in ``xyz``'s dtype, each
+    result back in its tensor's dtype."""
+    half = inv_freq.numel()
+    angle = (xyz.unsqueeze(-1) * inv_freq).unsqueeze(1).unsqueeze(-2)  # (P, 1, K, 3, 1, D/6)
+    cos, sin = angle.cos(), angle.sin()
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.unflatten(-1, (3, 2, half))  # per axis: the two halves that rotate together
+        turned = torch.stack((-pairs[..., 1, :], pairs[..., 0, :]), dim=-2)
+        return (pairs * cos + turned * sin).flatten(-3).to(x.dtype)
+
+    return tuple(rotate(x) for x in tensors)
 
 
 class RoPEAttention(SerializedAttention):

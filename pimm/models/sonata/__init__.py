@@ -1,14 +1,9 @@
-"""Sonata self-supervised pre-training (``Sonata-v1m1``); see :mod:`.model`."""
-
-from pimm.engines.registries import MODELS
+"""Sonata self-supervised pre-training (``Sonata-v1m1`` and its one-teacher-head
+variant ``Sonata-v1m2``); see :mod:`.model` and :mod:`.v1m2`."""
 
 from .fusion import RepresentationFusion
 from .heads import PrototypeHead
 from .model import Sonata
+from .v1m2 import SonataV1m2
 
-__all__ = ["Sonata", "PrototypeHead", "RepresentationFusion"]
-
-# Upstream also registers a "v1m2" (one teacher head shared by the losses) that
-# none of its configs names; pimm builds only what upstream's configs use.
-MODELS.add_hint("Sonata-v1m2", "Sonata-v1m1 (upstream's Sonata-v1m2 is used by none of upstream's configs and is "
-                               "not shipped; docs/pretraining.md)")
+__all__ = ["Sonata", "SonataV1m2", "PrototypeHead", "RepresentationFusion"]

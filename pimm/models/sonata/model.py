@@ -80,6 +80,7 @@ class Sonata(nn.Module, HookBase):
     """
 
     domains, domain_rules = DOMAINS, RULES
+    variant = "Sonata-v1m1"
 
     def __init__(self, backbone: dict, head_in_channels: int, head_hidden_channels: int = 4096,
                  head_embed_channels: int = 512, head_num_prototypes: int = 4096, teacher_custom: dict | None = None,
@@ -98,19 +99,19 @@ class Sonata(nn.Module, HookBase):
                  **unsupported: Any):
         nn.Module.__init__(self)
         if unsupported:
-            raise ConfigError(f"Sonata-v1m1: unknown option(s) {sorted(unsupported)}; see docs/pretraining.md")
+            raise ConfigError(f"{self.variant}: unknown option(s) {sorted(unsupported)}; see docs/pretraining.md")
         if not isinstance(backbone, dict) or "type" not in backbone:
-            raise ConfigError(f"Sonata-v1m1: backbone must be a dict(type=...), got {backbone!r}")
+            raise ConfigError(f"{self.variant}: backbone must be a dict(type=...), got {backbone!r}")
         weights = dict(mask=mask_loss_weight, roll_mask=roll_mask_loss_weight, unmask=unmask_loss_weight)
         if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-            raise ConfigError(f"Sonata-v1m1: loss weights {weights} must be >= 0 with a positive sum")
+            raise ConfigError(f"{self.variant}: loss weights {weights} must be >= 0 with a positive sum")
         if num_global_view not in (1, 2):
-            raise ConfigError(f"Sonata-v1m1: num_global_view={num_global_view}; use 1 or 2 (the roll-mask loss "
+            raise ConfigError(f"{self.variant}: num_global_view={num_global_view}; use 1 or 2 (the roll-mask loss "
                               "swaps the two global views)")
         if num_global_view == 1 and roll_mask_loss_weight > 0:
-            raise ConfigError("Sonata-v1m1: roll_mask_loss_weight > 0 needs num_global_view=2")
+            raise ConfigError(f"{self.variant}: roll_mask_loss_weight > 0 needs num_global_view=2")
         if unmask_loss_weight > 0 and num_local_view < 1:
-            raise ConfigError("Sonata-v1m1: unmask_loss_weight > 0 needs num_local_view >= 1")
+            raise ConfigError(f"{self.variant}: unmask_loss_weight > 0 needs num_local_view >= 1")
         self.num_global_view, self.num_local_view = int(num_global_view), int(num_local_view)
         self.mask_loss_weight, self.roll_mask_loss_weight = float(mask_loss_weight), float(roll_mask_loss_weight)
         self.unmask_loss_weight, self.student_temp = float(unmask_loss_weight), float(student_temp)
@@ -138,7 +139,7 @@ class Sonata(nn.Module, HookBase):
         self._check_widths(student["backbone"], backbone, head_in_channels)
         if (mask_loss_weight > 0 or roll_mask_loss_weight > 0) and \
                 getattr(student["backbone"], "has_mask_token", None) is False:
-            raise ConfigError(f"Sonata-v1m1: the mask losses need the backbone {backbone['type']!r} to mask the "
+            raise ConfigError(f"{self.variant}: the mask losses need the backbone {backbone['type']!r} to mask the "
                               "student's masked points: set mask_token=True in it (or mask_loss_weight and "
                               "roll_mask_loss_weight to 0)")
         self.representation_fusion_enabled = representation_fusion_channels is not None
@@ -169,16 +170,16 @@ class Sonata(nn.Module, HookBase):
 
     def _check_widths(self, net: nn.Module, cfg: dict, head_in_channels: int) -> None:
         if not getattr(net, "enc_mode", True):
-            raise ConfigError("Sonata-v1m1: the backbone must run encoder-only (enc_mode=True): the losses read "
+            raise ConfigError(f"{self.variant}: the backbone must run encoder-only (enc_mode=True): the losses read "
                               "the encoder's levels")
         channels = list(cfg.get("enc_channels") or [])
         if channels:
             if not 0 <= self.up_cast_level < len(channels):
-                raise ConfigError(f"Sonata-v1m1: up_cast_level={self.up_cast_level} must be in 0..{len(channels) - 1}"
-                                  f" (the backbone has {len(channels)} encoder levels)")
+                raise ConfigError(f"{self.variant}: up_cast_level={self.up_cast_level} must be in "
+                                  f"0..{len(channels) - 1} (the backbone has {len(channels)} encoder levels)")
             width = sum(channels[len(channels) - 1 - self.up_cast_level:])
             if width != head_in_channels:
-                raise ConfigError(f"Sonata-v1m1: head_in_channels={head_in_channels} but up_cast_level="
+                raise ConfigError(f"{self.variant}: head_in_channels={head_in_channels} but up_cast_level="
                                   f"{self.up_cast_level} concatenates enc_channels {channels[-1 - self.up_cast_level:]}"
                                   f" = {width} channels; set head_in_channels={width}")
 
@@ -223,7 +224,7 @@ class Sonata(nn.Module, HookBase):
         while "pooling_parent" in chain[-1]:
             chain.append(chain[-1]["pooling_parent"])
         if self.up_cast_level >= len(chain):
-            raise ConfigError(f"Sonata-v1m1: up_cast_level={self.up_cast_level} but the backbone returned "
+            raise ConfigError(f"{self.variant}: up_cast_level={self.up_cast_level} but the backbone returned "
                               f"{len(chain)} levels")
         origin = chain[-1]["origin_coord"]
         for j in range(len(chain) - 2, self.up_cast_level - 1, -1):
@@ -252,12 +253,12 @@ class Sonata(nn.Module, HookBase):
             missing += [k for k in ("local_feat", "local_coord", "local_origin_coord", "local_offset")
                         if k not in data_dict]
         if missing:
-            raise ConfigError(f"Sonata-v1m1: the batch has no {missing}; build the views with MultiViewGenerator "
+            raise ConfigError(f"{self.variant}: the batch has no {missing}; build the views with MultiViewGenerator "
                               "and Collect(global_feat_keys=..., local_feat_keys=...)")
         if self.training and torch.is_grad_enabled():
             self._forwards_since_update += 1
             if self._forwards_since_update > _MAX_FORWARDS_WITHOUT_UPDATE:
-                raise ConfigError(f"Sonata-v1m1: {_MAX_FORWARDS_WITHOUT_UPDATE} training passes without a teacher "
+                raise ConfigError(f"{self.variant}: {_MAX_FORWARDS_WITHOUT_UPDATE} training passes without a teacher "
                                   "update: list dict(type='ModelHook') in hooks (it advances the schedules and the "
                                   "EMA teacher)")
         grid_size = data_dict["grid_size"]
@@ -280,7 +281,7 @@ class Sonata(nn.Module, HookBase):
 
         if self.mask_loss_weight > 0 or self.roll_mask_loss_weight > 0:
             with torch.no_grad():
-                target_logits = self.teacher["mask_head"](teacher_feat)
+                target_logits = self.teacher[self._teacher_head("mask_head")](teacher_feat)
             student_masked = self._encode(self.student, Point(view, coord=masked_coord, mask=mask))
             pred = self.student["mask_head"](student_masked["feat"])
             if keep:
@@ -296,7 +297,7 @@ class Sonata(nn.Module, HookBase):
 
         if self.unmask_loss_weight > 0:
             with torch.no_grad():
-                target_logits = self.teacher["unmask_head"](teacher_feat)
+                target_logits = self.teacher[self._teacher_head("unmask_head")](teacher_feat)
             local = dict(feat=data_dict["local_feat"], coord=data_dict["local_coord"],
                          origin_coord=data_dict["local_origin_coord"], offset=data_dict["local_offset"],
                          grid_size=grid_size)
@@ -309,7 +310,7 @@ class Sonata(nn.Module, HookBase):
             events = len(teacher_global["offset"]) // self.num_global_view
             query_offset = student_local["offset"][self.num_local_view - 1::self.num_local_view]
             if len(query_offset) != events:
-                raise ConfigError(f"Sonata-v1m1: the batch has {len(student_local['offset'])} local views for "
+                raise ConfigError(f"{self.variant}: the batch has {len(student_local['offset'])} local views for "
                                   f"{events} events; num_local_view={self.num_local_view} must match "
                                   "MultiViewGenerator's local_view_num")
             losses["unmask_loss"] = self._distill(pred, student_local, target_logits[principal],
@@ -323,6 +324,10 @@ class Sonata(nn.Module, HookBase):
         out["loss"] = total
         out["total_loss"] = total.detach()
         return out
+
+    def _teacher_head(self, student_head: str) -> str:
+        """The teacher head whose assignments train ``student_head``: its own twin."""
+        return student_head
 
     def _distill(self, pred: torch.Tensor, query: Point, target_logits: torch.Tensor, target_origin: torch.Tensor,
                  target_offset: torch.Tensor, query_offset: torch.Tensor | None = None) -> torch.Tensor:
