@@ -271,10 +271,10 @@ def test_the_lartpc_config_trains_two_steps_through_the_trainer(tmp_path, capsys
 
 
 def test_the_bench_times_pg_beside_its_backbone(capsys):
-    """``bench/zoo_models.py --families pg``: a row per model and step kind, and PG's clustering alone."""
+    """``bench/model_zoo.py --families pg``: a row per model and step kind, and PG's clustering alone."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("zoo_models", ROOT / "bench" / "zoo_models.py")
+    spec = importlib.util.spec_from_file_location("model_zoo", ROOT / "bench" / "model_zoo.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.main(["--families", "pg", "--rounds", "1", "--batches", "1", "--events", "1"])

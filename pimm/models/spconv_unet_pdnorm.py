@@ -33,38 +33,13 @@ from pimm.utils.domains import Bool, Int, Keys, MAX_SIZE, Size
 from pimm.utils.errors import ConfigError
 
 from .point_ops import scatter_mean
+from .ptv2.pdnorm import PDBatchNorm
 from .sparse_layouts import SparseSequential, SpconvConv
 from .sparse_maps import KernelMap
 from .sparse_unet_levels import unet_levels
 from .spconv_unet import SpUNetBase, check_stages, stage_domains
 
 __all__ = ["PDBatchNorm", "SpUNetV1m3"]
-
-
-class PDBatchNorm(nn.Module):
-    """BatchNorm per condition (or one shared), then, when ``adaptive``,
-    ``x * (1 + scale) + shift`` from the context."""
-
-    def __init__(self, num_features: int, context_channels: int = 256, eps: float = 1e-3, momentum: float = 0.01,
-                 conditions: Sequence[str] = ("ScanNet", "S3DIS", "Structured3D"), decouple: bool = True,
-                 adaptive: bool = False, affine: bool = True):
-        super().__init__()
-        self.conditions, self.decouple, self.adaptive, self.affine = tuple(conditions), decouple, adaptive, affine
-        if decouple:
-            self.bns = nn.ModuleList(nn.BatchNorm1d(num_features, eps=eps, momentum=momentum, affine=affine)
-                                     for _ in self.conditions)
-        else:
-            self.bn = nn.BatchNorm1d(num_features, eps=eps, momentum=momentum, affine=affine)
-        if adaptive:
-            self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(context_channels, 2 * num_features, bias=True))
-
-    def forward(self, feat: torch.Tensor, condition: str | None = None,
-                context: torch.Tensor | None = None) -> torch.Tensor:
-        feat = (self.bns[self.conditions.index(condition)] if self.decouple else self.bn)(feat)
-        if self.adaptive:
-            shift, scale = self.modulation(context).chunk(2, dim=1)
-            feat = feat * (1.0 + scale) + shift
-        return feat
 
 
 class _Prompted(nn.Module):
@@ -77,7 +52,7 @@ class _Prompted(nn.Module):
         self.relu = nn.ReLU()
 
     def forward(self, x: torch.Tensor, kmap: KernelMap, condition, context) -> torch.Tensor:
-        return self.relu(self.bn(self.conv(x, kmap), condition, context))
+        return self.relu(self.bn(self.conv(x, kmap), (condition, context)))
 
 
 class BasicBlock(nn.Module):
@@ -99,12 +74,12 @@ class BasicBlock(nn.Module):
         self.bn2 = norm_fn(embed_channels)
 
     def forward(self, x: torch.Tensor, kmap: KernelMap, condition, context) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(x, kmap), condition, context))
-        out = self.bn2(self.conv2(out, kmap), condition, context)
+        out = self.relu(self.bn1(self.conv1(x, kmap), (condition, context)))
+        out = self.bn2(self.conv2(out, kmap), (condition, context))
         if self.in_channels == self.embed_channels:
             residual = self.proj(x)
         else:
-            residual = self.proj_norm(self.proj_conv(x), condition, context)
+            residual = self.proj_norm(self.proj_conv(x), (condition, context))
         return self.relu(out + residual)
 
 
