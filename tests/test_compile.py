@@ -13,7 +13,7 @@ import torch
 from pimm.engines.optim.compile import check_compile, compile_model
 from pimm.utils.errors import ConfigError
 from tests.support.run import ROOT, non_log_lines, run_tool, write_toy_config
-from tests.test_resume import SIGKILLED, Run, assert_clean_losses, assert_same_weights
+from tests.test_resume import SIGKILLED, STARTUP_S, Run, assert_clean_losses, assert_same_weights
 
 COMPILED = ("compile.enabled=True",)
 
@@ -73,9 +73,12 @@ def test_a_trainer_without_compile_support_refuses_the_key_in_one_line(tmp_path)
 @pytest.mark.slow
 def test_compiled_run_sigkill_resume_is_bit_identical_and_files_load_without_compile(tmp_path):
     ref = Run(tmp_path, "ref")
+    # The log is quiet while inductor compiles at the first step: minutes on a loaded 2-core machine, not a deadlock.
+    ref.stall_s = STARTUP_S
     ref.train(*COMPILED)
     assert "torch.compile: ToyMLP" in ref.log()
     run = Run(tmp_path, "killed")
+    run.stall_s = STARTUP_S
     run.train(*COMPILED, "hooks.KillAtStep.step=17", "resume=True", "hooks.CheckpointSaver.async_write=False",
               expect=SIGKILLED)
     assert max(run.committed()) == 15

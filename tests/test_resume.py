@@ -74,6 +74,7 @@ class Run:
         self.cfg = write_toy_config(config_dir, self.save, HOOKS.format(
             num_worker=num_worker, eval_every=eval_every, never=NEVER))
         self.output = config_dir / "output.txt"
+        self.stall_s = STALL_S  # a run that compiles at its first step raises it (see tests/test_compile.py)
 
     def train(self, *options: str, expect: int = 0, num_gpus: int = 1) -> None:
         """Run tools/train.py in its own process group; a run that stalls is killed
@@ -91,7 +92,7 @@ class Run:
                 size = log.stat().st_size if log.exists() else 0
                 if size != last_size:
                     last_size, last_change = size, time.monotonic()
-                limit = STALL_S if last_size > initial_size else STARTUP_S
+                limit = self.stall_s if last_size > initial_size else STARTUP_S
                 if time.monotonic() - last_change > limit:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
