@@ -78,6 +78,26 @@ def test_wandb_namer():
     assert WandbNamer(keys=("n",)).name_for(dict(n=1500)) == "1.5K"
 
 
+def test_wandb_namer_logs_the_name_it_chose():
+    """The run's records hold the config as the hooks received it, so the
+    name the hook picks is written to the log (and nothing when it picks none)."""
+    from types import SimpleNamespace
+
+    lines = []
+    logger = SimpleNamespace(info=lines.append)
+    cfg = Config(dict(model=dict(type="Sonata-v1m1"), seed=0, wandb_run_name=None))
+    namer = WandbNamer(keys=("model.type", "seed"))
+    namer.trainer = SimpleNamespace(logger=logger)
+    namer.modify_config(cfg)
+    namer.before_train()
+    assert lines == ["WandbNamer: wandb_run_name='Sonata-v1m1-0'"]
+    given = WandbNamer(keys=("seed",))
+    given.trainer = SimpleNamespace(logger=logger)
+    given.modify_config(Config(dict(seed=0, wandb_run_name="mine")))
+    given.before_train()
+    assert len(lines) == 1
+
+
 def test_prototype_usage_statistics():
     logits = torch.full((6, 4), -1.0)
     logits[[0, 1, 2], 0] = 1.0

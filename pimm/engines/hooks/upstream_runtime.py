@@ -92,11 +92,18 @@ class WandbNamer(HookBase):
         return self.sep.join(parts + [str(e) for e in self.extra])
 
     def modify_config(self, cfg) -> None:
+        self.named = None
         if cfg.get("wandb_run_name"):
             return
         name = self.name_for(cfg)
         if name:
-            cfg["wandb_run_name"] = name
+            cfg["wandb_run_name"] = self.named = name
+
+    def before_train(self) -> None:
+        # The run's records hold the config as the hooks received it (a resume names the run again), so the
+        # log is where the name this hook chose is written down.
+        if getattr(self, "named", None):
+            self.trainer.logger.info(f"WandbNamer: wandb_run_name={self.named!r}")
 
 
 @HOOKS.register_module()
