@@ -156,8 +156,10 @@ class SerializedAttention(nn.Module):
         counts = torch.diff(point["offset"], prepend=point["offset"].new_zeros(1))
         k = self._patch_size(counts, self.level_patch_size(point))
         rows, key_mask = self.layout(point, k)
-        qkv = self.qkv(rows.to_slots(feat)).view(-1, k, 3, h, c // h).permute(2, 0, 3, 1, 4)
-        q, key, v = qkv.unbind(0)  # (P, H, K, D)
+        # (P, H, K, D) views of the qkv columns. Split along the channels (not a permute and unbind of
+        # the whole): their gradients then come back into one (slots, 3C) buffer in one copy, not two.
+        qkv = self.qkv(rows.to_slots(feat)).view(-1, k, 3 * c).split(c, dim=-1)
+        q, key, v = (x.view(x.shape[0], k, h, c // h).transpose(1, 2) for x in qkv)
         q, key = self.position_qk(point, rows, k, q, key)
         dtype = q.dtype
         if self.upcast_attention or self.upcast_softmax:  # SDPA's softmax runs in its input dtype
