@@ -65,6 +65,7 @@ class Run:
     """One save_path and its config; ``train`` runs tools/train.py on it."""
 
     _count = 0
+    stall_s = STALL_S  # a run that compiles at its first step raises it (see tests/test_compile.py)
 
     def __init__(self, root: Path, name: str, num_worker: int = 0, eval_every: int | None = None):
         Run._count += 1
@@ -74,7 +75,6 @@ class Run:
         self.cfg = write_toy_config(config_dir, self.save, HOOKS.format(
             num_worker=num_worker, eval_every=eval_every, never=NEVER))
         self.output = config_dir / "output.txt"
-        self.stall_s = STALL_S  # a run that compiles at its first step raises it (see tests/test_compile.py)
 
     def train(self, *options: str, expect: int = 0, num_gpus: int = 1) -> None:
         """Run tools/train.py in its own process group; a run that stalls is killed
