@@ -128,11 +128,14 @@ class StatefulRandomSampler(Sampler[SampleKey]):
         """This rank's samples for the epoch: indices, or :class:`SampleKey` when seeds are needed."""
         order = self.global_order()
         positions = self.rank_positions()
+        # A range is a slice of the order: copied in C, not index by index (an epoch's start
+        # is on the training thread).
+        indices = order[positions.start:positions.stop:positions.step]
         if not self.with_seeds:
-            return [order[p] for p in positions]
+            return indices
         base = self.sample_seed(0)
         mask = (1 << 63) - 1
-        return [SampleKey((order[p], (base + p) & mask)) for p in positions]
+        return [SampleKey((index, (base + p) & mask)) for index, p in zip(indices, positions)]
 
     def __iter__(self) -> Iterator[SampleKey]:
         return _PositionIterator(self)

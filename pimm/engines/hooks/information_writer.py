@@ -14,7 +14,7 @@ import datetime
 import math
 
 from pimm.engines.hooks.base import HookBase
-from pimm.engines.observe.metrics import reduce_values
+from pimm.engines.observe.metrics import is_number, reduce_values
 from pimm.engines.registries import HOOKS
 from pimm.utils.logger import fit_line
 from pimm.utils.domains import Count, Int, PosInt
@@ -75,7 +75,8 @@ class InformationWriter(HookBase):
 
     def after_step(self):
         trainer = self.trainer
-        if trainer.global_step % self.log_frequency == 0 or trainer.iter == trainer.iters_per_epoch:
+        state = trainer.train_state  # read directly, not through the trainer's properties: every step
+        if state.global_step % self.log_frequency == 0 or state.iter_in_epoch == trainer.iters_per_epoch:
             self._flush_and_log()
 
     def _flush_and_log(self):
@@ -115,11 +116,17 @@ def window_values(records: list[dict], metrics, prefix: str = "") -> dict[str, f
     values: dict[str, list[float]] = {}
     for record in records:
         for tag, value in record.items():
-            if tag.startswith(prefix) and tag not in ("step", "epoch") and isinstance(value, (int, float)) \
-                    and not isinstance(value, bool) and math.isfinite(value):
-                values.setdefault(tag, []).append(value)
+            # float first: nearly every value is one (this runs for every value of every flush)
+            if tag != "step" and tag != "epoch" and tag.startswith(prefix) and \
+                    (math.isfinite(value) if value.__class__ is float else is_number(value)):
+                found = values.get(tag)
+                if found is None:
+                    values[tag] = [value]
+                else:
+                    found.append(value)
     out = {}
     for tag, vals in values.items():
         dense, op = metrics.kind(tag)
         out[tag] = reduce_values(op if dense else "last", vals)
     return out
+

@@ -131,7 +131,13 @@ class LiveControl(HookBase):
     @property
     def control_path(self) -> Path:
         """Where the hook reads its requests."""
-        return Path(self.trainer.save_path) / self.file
+        save_path = self.trainer.save_path
+        cached = self._control_path
+        if cached is None or cached[0] is not save_path:  # built once: it is read every poll_every steps
+            self._control_path = cached = (save_path, Path(save_path) / self.file)
+        return cached[1]
+
+    _control_path: tuple | None = None
 
     @property
     def audit_path(self) -> Path:
@@ -174,7 +180,7 @@ class LiveControl(HookBase):
 
     def after_step(self) -> None:
         """Replay a recorded change due at this step, or poll the file."""
-        step = self.trainer.global_step
+        step = self.trainer.train_state.global_step
         if self._replay:  # a replayed change stands for the poll that first read it: no other read this step
             while self._replay and self._replay[0]["step"] <= step:
                 self._apply(self._replay.pop(0), replayed=True)

@@ -41,18 +41,19 @@ class IterationTimer(HookBase):
         self._step_start = time.perf_counter()
 
     def after_step(self):
+        now = time.perf_counter()  # one clock read serves the step time and the ETA
         trainer = self.trainer
-        step_time = time.perf_counter() - self._step_start
         metrics = trainer.metrics
-        metrics.record("time/step", step_time)
+        metrics.record("time/step", now - self._step_start)
         self._timed_steps += 1
         if self._timed_steps == self.warmup_iter:
-            self._timed_since = time.perf_counter()
+            self._timed_since = now
         elif self._timed_steps > self.warmup_iter:  # the first steps pay for start-up
             if self.warmup_iter == 0 and self._timed_steps == 1:
                 self._timed_since = self._step_start
-            mean = (time.perf_counter() - self._timed_since) / (self._timed_steps - self.warmup_iter)
-            remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - trainer.iter
+            mean = (now - self._timed_since) / (self._timed_steps - self.warmup_iter)
+            done_in_epoch = trainer.train_state.iter_in_epoch
+            remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - done_in_epoch
             metrics.record("time/eta", mean * remaining)
 
     def after_train(self):

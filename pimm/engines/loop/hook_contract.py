@@ -322,13 +322,16 @@ class CommInfo(dict):
     evaluator contract (``current_metric_value``, ``current_metric_name``,
     ``current_metric_greater_is_better``) are checked when a hook sets them, so
     a value that cannot rank checkpoints is refused at the assignment, naming
-    the key and the hook (about 0.1 us per assignment of any key)."""
+    the key and the hook (about 0.1 us per assignment of any key; the trainer's own
+    per-step keys go through ``dict.update``, which skips the check)."""
 
     def __setitem__(self, key, value):
-        check = _PUBLISHED_KEYS.get(key)
-        if check is not None:
-            check(key, value)
-        dict.__setitem__(self, key, value)
+        if key in _PUBLISHED_KEYS:
+            _PUBLISHED_KEYS[key](key, value)
+        _store(self, key, value)
+
+
+_store = dict.__setitem__  # a global, not dict.__setitem__ looked up at every assignment
 
 
 def take_published_metric(trainer) -> bool:

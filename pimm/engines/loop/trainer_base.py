@@ -263,11 +263,12 @@ class TrainerBase(UpstreamTrainerView):
         distributed = control.distributed
         samples_per_step = self.samples_per_step
         info, metrics = self.comm_info, self.metrics
+        store = dict.__setitem__  # the trainer's own keys skip CommInfo's check (it is for hooks' values)
         while state.iter_in_epoch < self.iters_per_epoch:
             if traced:
                 tracer.step = state.global_step + 1
                 start = t = tracer.now()
-            info["iter_info"] = ""  # upstream's log-line text, appended to by this step's hooks
+            store(info, "iter_info", "")  # upstream's log-line text, appended to by this step's hooks
             for fn in before:
                 fn()
             if traced and before:
@@ -278,7 +279,7 @@ class TrainerBase(UpstreamTrainerView):
             state.iter_in_epoch += 1
             state.global_step += 1
             state.samples_seen += samples_per_step
-            info["iter"] = state.iter_in_epoch
+            store(info, "iter", state.iter_in_epoch)
             metrics.step = state.global_step
             for fn in after:
                 fn()

@@ -54,7 +54,8 @@ from pimm.engines.loop.sync_points import host_sync
 from pimm.utils import comm
 from pimm.utils.errors import ConfigError, UserError
 
-__all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix", "reduce_values"]
+__all__ = ["MetricChannel", "BestMetric", "NonFiniteMetric", "REDUCE_OPS", "reduce_op_by_suffix", "reduce_values",
+           "is_number"]
 
 REDUCE_OPS = ("mean", "sum", "min", "max", "last")
 DIRECTIONS = ("min", "max")
@@ -89,6 +90,11 @@ def reduce_values(op: str, values: list[float]) -> float:
     if op in ("min", "max", "sum"):
         return {"min": min, "max": max, "sum": sum}[op](values)
     return sum(values) / len(values)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float, not a bool: a value the dashboards and the log line show."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def tag_op(reduce: str | dict[str, str], tag: str) -> str:
@@ -309,18 +315,23 @@ class MetricChannel:
             return []
         t0 = self.tracer.now() if self.tracer is not None else 0
         with host_sync("metric flush"):  # the one host read of everything published since the last flush
-            values = _reduce_tensors(pending)
+            reduced = _reduce_tensors(pending)
         if self.tracer is not None:
             self.tracer.complete("metric_sync", t0)
         records, kinds = [], []
-        for index, (step, epoch, scalars, reduce, dense) in enumerate(pending):
-            record = {"step": step, "epoch": epoch}
-            for tag, value in scalars.items():
-                if isinstance(value, torch.Tensor):
-                    value = values[(index, tag)]
-                    self._latest[tag] = value
-                record[tag] = value
-                self._kinds[tag] = (dense, tag_op(reduce, tag))
+        latest, known = self._latest, self._kinds
+        for (step, epoch, scalars, reduce, dense), values in zip(pending, reduced):
+            record = {"step": step, "epoch": epoch, **scalars}
+            if values is not None:  # the record's tensors, now host floats (same keys: the order stays)
+                record.update(values)
+                latest.update(values)
+            if isinstance(reduce, str):
+                kind = (dense, reduce)
+                for tag in scalars:
+                    known[tag] = kind
+            else:
+                for tag in scalars:
+                    known[tag] = (dense, reduce.get(tag, "mean"))
             records.append(record)
             kinds.append((dense, reduce))
         if self.sink is not None:
@@ -333,29 +344,49 @@ class MetricChannel:
         self._pending.clear()
 
     def _check_finite(self, records: list[dict]) -> None:
+        # Only the watched tags are looked up in each record (one dict lookup per record and
+        # tag, at every flush); the record is scanned in full only once one of them is bad.
+        watched = self.watch_finite
+        if not watched:
+            return
+        isfinite = math.isfinite
         for record in records:
-            bad = [tag for tag, value in record.items()
-                   if isinstance(value, float) and not math.isfinite(value) and tag not in ("step", "epoch")]
-            watched = [tag for tag in bad if tag in self.watch_finite]
-            if watched:
-                raise NonFiniteMetric(record["step"], watched[0], [t for t in bad if t != watched[0]])
+            for tag in watched:
+                value = record.get(tag)
+                if isinstance(value, float) and not isfinite(value):
+                    bad = [name for name, v in record.items()
+                           if isinstance(v, float) and not isfinite(v) and name not in ("step", "epoch")]
+                    first = next(name for name in bad if name in watched)
+                    raise NonFiniteMetric(record["step"], first, [name for name in bad if name != first])
 
 
-def _reduce_tensors(pending: list) -> dict[tuple[int, str], float]:
-    """One stack, one host transfer and one collective per reduce op in use."""
-    by_op: dict[str, list[tuple[tuple[int, str], torch.Tensor]]] = defaultdict(list)
+def _reduce_tensors(pending: list) -> list[dict[str, float] | None]:
+    """One stack, one host transfer and one collective per reduce op in use.
+    Returns, for each pending record, its tensors' reduced values by tag (None
+    when it has no tensor)."""
+    by_op: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     for index, (_, _, scalars, reduce, _) in enumerate(pending):
         for tag, value in scalars.items():
             if isinstance(value, torch.Tensor):
-                op = tag_op(reduce, tag)
-                by_op[op].append(((index, tag), value))
-    out: dict[tuple[int, str], float] = {}
+                op = reduce if isinstance(reduce, str) else reduce.get(tag, "mean")
+                items = by_op.get(op)
+                if items is None:
+                    by_op[op] = items = []
+                items.append((index, tag, value))
+    out: list[dict[str, float] | None] = [None] * len(pending)
     for op, items in by_op.items():
         if op not in REDUCE_OPS:
-            raise ConfigError(f"metric {items[0][0][1]!r}: reduce must be one of {REDUCE_OPS}, got {op!r}")
-        stacked = torch.stack([t.detach().reshape(()).float() for _, t in items])
+            raise ConfigError(f"metric {items[0][1]!r}: reduce must be one of {REDUCE_OPS}, got {op!r}")
+        tensors = [t for _, _, t in items]
+        if not any([t.ndim for t in tensors]):  # all 0-d, the usual case: one stack, no per-tensor reshape
+            stacked = torch.stack(tensors).detach().float()
+        else:
+            stacked = torch.stack([t.detach().reshape(()).float() for t in tensors])
         if op != "last":
             stacked = comm.all_reduce(stacked, op=op)
-        for (key, _), value in zip(items, stacked.tolist()):
-            out[key] = value
+        for (index, tag, _), value in zip(items, stacked.tolist()):
+            values = out[index]
+            if values is None:
+                out[index] = values = {}
+            values[tag] = value
     return out

@@ -30,11 +30,12 @@ import logging
 import math
 import os
 import uuid
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
 from pimm.engines.loop.hook_contract import SummaryWriterCalls
-from pimm.engines.observe.metrics import reduce_values, tag_op
+from pimm.engines.observe.metrics import is_number, reduce_values, tag_op
 from pimm.utils import comm
 
 __all__ = ["MetricsWriter", "METRICS_FILE", "REWOUND_FILE"]
@@ -89,13 +90,13 @@ class MetricsWriter(SummaryWriterCalls):
         if not self.is_main:
             return
         self._open()
-        lines = "".join(json.dumps(_json_safe(r)) + "\n" for r in records)
+        lines = _jsonl(records)
         try:
             self._jsonl.write(lines)
             self._jsonl.flush()
         except OSError as err:  # a write error carries no file name: give it one for the error line
             raise OSError(err.errno, err.strerror, str(self.save_path / METRICS_FILE)) from err
-        self.last_step = max(self.last_step, max(r["step"] for r in records))
+        self.last_step = max(self.last_step, max([r["step"] for r in records]))  # a list: no generator resumed per record
         if self._tb is None and self._wandb_run is None:
             return
         self._emit(self._window.add(records, kinds))
@@ -266,18 +267,21 @@ class DashboardWindow:
 
     def add(self, records: list[dict], kinds: list[tuple]) -> list[tuple[int, dict[str, float]]]:
         """Fold in one flush; the events it completes, in step order."""
-        newest = max(r["step"] for r in records)
+        newest = max([r["step"] for r in records])
         closes = self.end is not None and newest > self.end
         later: dict[str, tuple[str, list[float]]] = {}
         events: list[tuple[int, dict[str, float]]] = []
+        isfinite = math.isfinite
         for record, (dense, reduce) in zip(records, kinds):
             if not dense:
-                scalars = {k: v for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)}
+                scalars = {k: v for k, v in record.items() if k not in ("step", "epoch") and is_number(v)}
                 events.append((record["step"], scalars))
                 continue
             into = later if closes and record["step"] > self.end else self._values
             for tag, value in record.items():
-                if tag in ("step", "epoch") or not _is_number(value):
+                # is_number, with the common float first (this runs for every value of every flush)
+                if tag == "step" or tag == "epoch" or \
+                        not (isfinite(value) if value.__class__ is float else is_number(value)):
                     continue
                 entry = into.get(tag)
                 if entry is None:
@@ -298,8 +302,30 @@ class DashboardWindow:
         return [(self.end, {tag: reduce_values(op, vals) for tag, (op, vals) in values.items()})]
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _finite_chunks():
+    """The C encoder behind json.dumps, refusing NaN/Infinity (ValueError)
+    instead of writing them (not JSON). json.dumps builds a new one at every
+    call; this one is built once, as every logged step's record goes through
+    it. None where the C encoder is missing."""
+    settings = json.JSONEncoder(allow_nan=False)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    return make(None, settings.default, json.encoder.encode_basestring_ascii, None, settings.key_separator,
+                settings.item_separator, False, False, False)
+
+
+_FINITE_CHUNKS = _finite_chunks()
+
+
+def _jsonl(records: list[dict]) -> str:
+    """``metrics.jsonl`` lines of ``records``; a non-finite value is written as null."""
+    if _FINITE_CHUNKS is not None:
+        try:  # every record encoded in C: no Python call per record
+            return "\n".join(map("".join, map(_FINITE_CHUNKS, records, repeat(0)))) + "\n"
+        except ValueError:  # a non-finite float somewhere in this flush
+            pass
+    return "".join(json.dumps(_json_safe(r)) + "\n" for r in records)
 
 
 def _json_safe(record: dict) -> dict:

@@ -27,7 +27,7 @@ for inspection, never resumed from) and the step is written anew.
 Saving blocks training only while the states are copied (CUDA tensors into
 pinned host buffers reused from save to save, :mod:`.snapshot`); a background
 writer (``async_write``) then writes the files, and rank 0 commits once every
-rank's file is on disk (each rank leaves a done-marker; no collective runs
+rank's file is on disk (each other rank leaves a done-marker; no collective runs
 beside training). One write is in flight at a time, and the end of training
 and a pre-emption wait for it, so "complete or ignored" holds unchanged: a
 crash during the background write leaves the previous checkpoints as they were.
@@ -277,7 +277,7 @@ class CheckpointManager(CheckpointLoading):
 
     def _write(self, tmp: Path, final: Path, rank: int, shared, per_rank, manifest: dict, after_commit,
                start: float) -> None:
-        """Each rank writes its file and a done-marker; rank 0 then writes the
+        """Each rank writes its file (and, but rank 0, a done-marker); rank 0 then writes the
         shared state, waits for every rank's marker and commits. No collective
         runs here, so it can run beside training."""
         rank_file = f"rank{rank:05d}.pth"
@@ -287,14 +287,16 @@ class CheckpointManager(CheckpointLoading):
         self._warn_unless_data(per_rank, tmp / rank_file)
         if "sharded" in manifest:
             entries.update(_entries(tmp, own_shard_files(tmp / SHARDED_DIR, rank)))
-        _write_json_synced(entries, tmp / f"{rank_file}.done")
-        if rank != 0:
+        if rank != 0:  # rank 0 waits for this marker before it commits
+            _write_json_synced(entries, tmp / f"{rank_file}.done")
             return
-        files = {COMMON: _save_synced(shared, tmp / COMMON)}
+        # Rank 0's own entries need no marker: it is the one that reads them (one file, fsync
+        # and rename less per save).
+        files = {COMMON: _save_synced(shared, tmp / COMMON), **entries}
         self._warn_unless_data(shared, tmp / COMMON)
         world = manifest["world_size"]
         deadline = time.monotonic() + self.commit_timeout_s
-        for other in range(world):
+        for other in range(1, world):
             marker = tmp / f"rank{other:05d}.pth.done"
             while not marker.exists():
                 self._check_not_aborted(final)
@@ -355,7 +357,10 @@ class CheckpointManager(CheckpointLoading):
         # Still unusable? (A re-save of the step heals the folder; then it counts again.)
         self.rejected = [(path, why) for path, why in self.rejected if path.exists() and self.verify(path) != "ok"]
         rejected = {path for path, _ in self.rejected}
-        committed = [(path, self._read_manifest(path)) for path in self.committed() if path not in rejected]
+        paths = [path for path in self.committed() if path not in rejected]
+        if self.retention.keep_all or len(paths) <= max(1, self.retention.keep_last):
+            return  # every one survives: no manifest to read (the early saves of every run)
+        committed = [(path, self._read_manifest(path)) for path in paths]
         keep = self.retention.survivors(committed)
         for path, _ in committed:
             if path not in keep:

@@ -35,6 +35,9 @@ import torch
 
 __all__ = ["SnapshotBuffers"]
 
+# Leaves that deepcopy would return as they are, recognised without its call.
+_IMMUTABLE = frozenset({str, int, float, bool, bytes, type(None)})
+
 
 class SnapshotBuffers:
     """Reusable host buffers for the tensors of a checkpoint's state (see the module docstring).
@@ -73,6 +76,8 @@ class Snapshot:
 
     def freeze(self, obj: Any, key: tuple = ()) -> Any:
         """A copy of ``obj`` (nested dicts, OrderedDicts, lists, tuples) that training cannot change."""
+        if type(obj) in _IMMUTABLE:  # most leaves (config values, counters): nothing to copy
+            return obj
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, key)
         if type(obj) is dict:
