@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support import forkserver  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager  # noqa: E402
 from pimm.utils.rng import derive_seed, seed_all  # noqa: E402
@@ -91,22 +92,23 @@ def run_watched(cmd: list[str], save_path: Path, log_dir: Path) -> Run:
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
     start = time.time()
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=tool_env(), cwd=ROOT, start_new_session=True)
-        stalled = False
-        while True:
-            try:
-                proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            now = time.time()
-            last = max(start, _newest_activity([save_path, out_path, err_path]))
-            if now - last > STALL_S or now - start > LIMIT_S:
-                stalled = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                break
+    for path in (out_path, err_path):
+        path.write_text("")
+    proc = forkserver.popen(cmd, stdout=out_path, stderr=err_path, env=tool_env(), cwd=ROOT, start_new_session=True)
+    stalled = False
+    while True:
+        try:
+            proc.wait(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.time()
+        last = max(start, _newest_activity([save_path, out_path, err_path]))
+        if now - last > STALL_S or now - start > LIMIT_S:
+            stalled = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
     return Run(None if stalled else proc.returncode, out_path.read_text(), err_path.read_text(), stalled,
                time.time() - start)
 

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.utils.errors import ConfigError, RegistryError  # noqa: E402
-from tests.support import inprocess  # noqa: E402
+from tests.support import forkserver, inprocess  # noqa: E402
 from tests.support.inprocess import committed_steps, hook_of  # noqa: E402
 from tests.support.run import ROOT as REPO, env, final_weights, train_losses, write_toy_config  # noqa: E402
 
@@ -208,7 +208,7 @@ hooks = [
 
 def train(cfg: Path, *options: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(REPO / "tools" / "train.py"), "--config-file", str(cfg), "--options", *options]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env(), cwd=REPO)
+    return forkserver.run(cmd, capture_output=True, text=True, timeout=400, env=env(), cwd=REPO)
 
 
 @pytest.mark.slow

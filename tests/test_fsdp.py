@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pimm.engines.state.manager import CheckpointManager
+from tests.support import forkserver
 from tests.support.run import ROOT, env, final_weights, train_losses
 from tests.test_resume import TOTAL_STEPS, Run, assert_clean_losses, assert_same_weights
 
@@ -110,7 +111,7 @@ def test_a_two_process_checkpoint_resumes_on_other_process_counts(runs, processe
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *args], cwd=ROOT, env=env(),
+    return forkserver.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -149,7 +150,7 @@ RINGS = ("epoch=2", "batch_size=32", "data.train.num_events=192", "data.val.num_
 def _rings(save_path, *options: str, num_gpus: int = 2, expect: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(ROOT / "configs/rings/cls-cnn.py"),
            "--num-gpus", str(num_gpus), "--options", FSDP, f"save_path={save_path}", *RINGS, *options]
-    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    done = forkserver.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == expect, done.stderr[-3000:]
     return done
 
@@ -179,7 +180,7 @@ def test_grpo_trainer_under_fsdp_trains_like_ddp(tmp_path):
         cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file",
                str(ROOT / "configs/grpo/tracks-grpo.py"), "--num-gpus", "2", "--options",
                f"parallel.strategy={strategy}", f"save_path={save}", *options]
-        done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        done = forkserver.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[strategy] = save
     ddp, fsdp = train_losses(runs["ddp"]), train_losses(runs["fsdp"])

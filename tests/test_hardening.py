@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import forkserver
 from tests.support.run import ROOT, non_log_lines, env, run_tool, write_toy_config
 
 
@@ -135,7 +136,7 @@ def test_options_given_twice_merge_and_tilde_paths_expand(tmp_path):
     cfg = write_toy_config(tmp_path, Path("~/runs/toy"), "")
     cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(cfg),
            "--options", "epoch=1", "--options", "batch_size=32"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**env(), "HOME": str(home)}, cwd=ROOT,
+    result = forkserver.run(cmd, capture_output=True, text=True, env={**env(), "HOME": str(home)}, cwd=ROOT,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     written = (home / "runs" / "toy" / "config.py").read_text()

@@ -30,6 +30,7 @@ import pimm.cli
 from pimm.engines import HOOKS, HookBase
 from pimm.utils.config import Config
 from pimm.utils.errors import ConfigError
+from tests.support import forkserver
 from tests.support.inprocess import hook_of, make_trainer
 from tests.support.run import ROOT, env, run_tool, write_toy_config
 
@@ -355,7 +356,7 @@ def pilarnet(tmp_path_factory):
         if revision not in made:
             root = tmp_path_factory.mktemp(f"pilarnet-{revision}")
             for split, events in (("train", 8), ("val", 2)):
-                res = subprocess.run([sys.executable, str(ROOT / "tools" / "export_pilarnet.py"), "--out", str(root),
+                res = forkserver.run([sys.executable, str(ROOT / "tools" / "export_pilarnet.py"), "--out", str(root),
                                       "--num-events", str(events), "--seed", "5", "--split", split, "--revision",
                                       revision, "--events-per-file", "4"], capture_output=True, text=True,
                                      timeout=300, env=env())
@@ -376,7 +377,7 @@ def test_every_shipped_config_with_modify_config_resumes_from_its_record(config,
     killed = run_tool("train", ROOT / "configs" / config, *options, timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert (save / "checkpoints" / "step000000002-epoch0000" / "COMMITTED").is_file()
-    resumed = subprocess.run([sys.executable, "-m", "pimm.cli", "train", "--resume", str(save),
+    resumed = forkserver.run([sys.executable, "-m", "pimm.cli", "train", "--resume", str(save),
                               "--options", "hooks.KillAtStep.step=-1"],
                              capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

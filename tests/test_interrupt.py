@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from pimm.engines.state import CheckpointManager
+from tests.support import forkserver
 from tests.support.interrupt import run_in_pty
 from tests.support.run import ROOT, env, final_weights, train_losses, write_toy_config
 
@@ -71,7 +71,7 @@ def _interrupt_once_then_resume(tmp_path: Path, num_gpus: int, stop_step: int, e
     markers = tmp_path / "markers"
     cfg = _config(tmp_path, markers, extra)
     reference = tmp_path / "reference"
-    ref = subprocess.run(_train(cfg, reference, "hooks.PauseForSignal.steps=[]", num_gpus=num_gpus),
+    ref = forkserver.run(_train(cfg, reference, "hooks.PauseForSignal.steps=[]", num_gpus=num_gpus),
                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
@@ -87,7 +87,7 @@ def _interrupt_once_then_resume(tmp_path: Path, num_gpus: int, stop_step: int, e
     gpus = f" --num-gpus {num_gpus}" if num_gpus > 1 else ""
     assert command == f"python {TRAIN} --resume {save}{gpus}"
     argv = shlex.split(command)
-    resumed = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=env(), cwd=ROOT,
+    resumed = forkserver.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=env(), cwd=ROOT,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from step{stop_step:09d}" in (save / "train.log").read_text()

@@ -4,7 +4,6 @@ command-line generator, and exact mid-epoch resume of the shipped config."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import h5py
@@ -17,6 +16,7 @@ from pimm.datasets.lucid_generator import generate_lucid, pmt_positions, _ring_f
 from pimm.datasets.lucid_ssl import LUCiDEventSSLDataset
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
+from tests.support import forkserver
 from tests.support.run import ROOT, env, final_weights, run_tool, train_losses
 
 
@@ -173,13 +173,13 @@ def test_bad_shards_and_options_are_one_line_naming_the_file(production, tmp_pat
 def test_make_lucid_command_writes_shards_and_refuses_to_overwrite(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools" / "make_lucid.py"), "--out", str(tmp_path / "d"), "--num-events", "5",
            "--species", "muon", "--image-size", "8", "16"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT)
+    done = forkserver.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert LUCiDDataset(tmp_path / "d" / "muon")[0]["coord"].shape == (8 * 16, 3)
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT)
+    again = forkserver.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT)
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0
     assert "already exists; choose another --out or pass --overwrite" in again.stderr
-    bad = subprocess.run(cmd[:-3] + ["--species", "tau"], capture_output=True, text=True, env=env(), cwd=ROOT)
+    bad = forkserver.run(cmd[:-3] + ["--species", "tau"], capture_output=True, text=True, env=env(), cwd=ROOT)
     assert bad.returncode == 2 and "--species 'tau' is not one of electron, muon" in bad.stderr
 
 

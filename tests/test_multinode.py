@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.support import forkserver  # noqa: E402
 from tests.support.run import env as tool_env  # noqa: E402
 from tests.support.run import final_weights, train_losses, write_toy_config  # noqa: E402
 
@@ -83,7 +84,7 @@ train = dict(type="DefaultTrainer", stop_check_every=4)
 hooks.append(dict(type="PauseForSignal", steps=[{PAUSE}], signals=["SIGTERM"], directory={str(markers)!r}))
 ''')
     reference = tmp_path / "reference"
-    ref = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(cfg), "--num-gpus",
+    ref = forkserver.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(cfg), "--num-gpus",
                           "2", "--options", f"save_path={reference}", "hooks.PauseForSignal.steps=[]"],
                          capture_output=True, text=True, env=tool_env(), cwd=ROOT, timeout=LIMIT_S)
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -24,6 +24,7 @@ from pimm.engines import HOOKS, HookBase  # noqa: E402
 from pimm.engines.hooks.on_demand import OnDemandValidation  # noqa: E402
 from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.utils.errors import ConfigError  # noqa: E402
+from tests.support import forkserver  # noqa: E402
 from tests.support.run import ROOT as REPO, env, final_weights, write_toy_config  # noqa: E402
 
 register_all()  # models, data sets, evaluators
@@ -154,7 +155,7 @@ def test_two_processes_signal_to_the_launcher_evaluates_on_both_ranks_and_change
     """SIGUSR1 to the --num-gpus launcher reaches both ranks; they agree at the next check
     (every 3 steps) and evaluate together. LiveControl's change reaches both ranks too."""
     ref_cmd, ref = _two_process_run(tmp_path, "ref", pause=())
-    done = subprocess.run(ref_cmd, capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    done = forkserver.run(ref_cmd, capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
     cmd, save = _two_process_run(tmp_path, "signaled", pause=(5,))

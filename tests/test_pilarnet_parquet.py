@@ -4,7 +4,6 @@ and exact mid-epoch resume across data-loader workers and processes."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pimm.datasets.pilarnet import write_pilarnet_h5
 from pimm.datasets.pilarnet_parquet import PILArNetParquetIterableDataset, write_pilarnet_parquet
 from pimm.engines.registries import DATASETS
 from pimm.utils.errors import ConfigError, UserError
+from tests.support import forkserver
 
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
@@ -208,8 +208,8 @@ def test_export_tool_writes_parquet_without_touching_h5(tmp_path):
     out = tmp_path / "export"
     cmd = [sys.executable, str(ROOT / "tools" / "export_pilarnet.py"), "--out", str(out), "--num-events", "5",
            "--seed", "3", "--events-per-file", "2"]
-    assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
-    done = subprocess.run(cmd + ["--format", "parquet"], capture_output=True, text=True)
+    assert forkserver.run(cmd, capture_output=True, text=True).returncode == 0
+    done = forkserver.run(cmd + ["--format", "parquet"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     files = sorted(p.name for p in (out / "train").iterdir())
     assert [f for f in files if f.endswith(".parquet")] == [f"lartpc_s3_000{i}.parquet" for i in range(3)]
@@ -218,7 +218,7 @@ def test_export_tool_writes_parquet_without_touching_h5(tmp_path):
     h5 = DATASETS.build(dict(type="PILArNetH5Dataset", data_root=str(out), split="train", min_points=0))
     for i in range(5):
         np.testing.assert_array_equal(ds[i]["coord"], h5[i]["coord"])
-    bad = subprocess.run(cmd + ["--format", "csv"], capture_output=True, text=True)
+    bad = forkserver.run(cmd + ["--format", "csv"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --format 'csv' is not one of h5, parquet"]
 
 

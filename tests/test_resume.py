@@ -1,6 +1,7 @@
 """Exact resume and crash safety, end to end through ``tools/train.py``.
 
-Every test runs the real command line in subprocesses on the toy task of
+Every test runs the real command line in processes of its own (forked from
+the tests' warm server, tests/support/forkserver.py) on the toy task of
 ``tests/support/toy.py`` (random augmentation from the global numpy and
 torch generators, dropout), kills it in some way — SIGKILL between steps,
 SIGKILL in the middle of writing a checkpoint, SIGTERM pre-emption, damaged
@@ -22,7 +23,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from pimm.engines.state.manager import CheckpointManager
+from tests.support import forkserver
 from tests.support.run import ROOT, env, final_weights, train_losses, write_toy_config
 
 STEPS_PER_EPOCH, EPOCHS = 10, 3
@@ -83,22 +84,20 @@ class Run:
         cmd += ["--num-gpus", str(num_gpus)] if num_gpus != 1 else []
         cmd += ["--options", *options] if options else []
         log = self.save / "train.log"
-        with open(self.output, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
-                                    start_new_session=True)
-            initial_size = last_size = log.stat().st_size if log.exists() else 0
-            last_change = time.monotonic()
-            while proc.poll() is None:
-                size = log.stat().st_size if log.exists() else 0
-                if size != last_size:
-                    last_size, last_change = size, time.monotonic()
-                limit = self.stall_s if last_size > initial_size else STARTUP_S
-                if time.monotonic() - last_change > limit:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    pytest.fail(f"tools/train.py --options {' '.join(options)} (num_gpus={num_gpus}) made no "
-                                f"progress for {limit}s (deadlock?); killed.\n--- train.log ---\n{self.log()[-3000:]}")
-                time.sleep(0.1)
+        proc = forkserver.popen(cmd, stdout=self.output, env=env(), cwd=ROOT, start_new_session=True)
+        initial_size = last_size = log.stat().st_size if log.exists() else 0
+        last_change = time.monotonic()
+        while proc.poll() is None:
+            size = log.stat().st_size if log.exists() else 0
+            if size != last_size:
+                last_size, last_change = size, time.monotonic()
+            limit = self.stall_s if last_size > initial_size else STARTUP_S
+            if time.monotonic() - last_change > limit:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                pytest.fail(f"tools/train.py --options {' '.join(options)} (num_gpus={num_gpus}) made no "
+                            f"progress for {limit}s (deadlock?); killed.\n--- train.log ---\n{self.log()[-3000:]}")
+            time.sleep(0.1)
         try:  # data workers of a SIGKILLed run may outlive it for a moment
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

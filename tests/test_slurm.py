@@ -205,7 +205,7 @@ def _logs(save_path: Path) -> str:
 def test_preempted_job_requeues_and_ends_bit_identical(tmp_path):
     cfg = _config(tmp_path, tmp_path / "unused", pauses=PAUSES)
     reference = tmp_path / "reference"
-    ref = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(cfg), "--num-gpus",
+    ref = forkserver.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config-file", str(cfg), "--num-gpus",
                           "2", "--options", f"save_path={reference}", "hooks.PauseForSignal.steps=[]"],
                          capture_output=True, text=True, env=tool_env(), cwd=ROOT, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]

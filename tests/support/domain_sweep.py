@@ -64,9 +64,10 @@ def value_at(cfg: Any, key: str) -> Any:
     return cfg
 
 
-def resolve(base: Config, option: str) -> Outcome:
-    """``option`` applied to a copy of ``base`` and the config resolved; a UserError is the expected refusal."""
-    cfg = pickle.loads(pickle.dumps(base))  # a deep copy, several times faster than copy.deepcopy
+def resolve(base: Config, option: str, frozen: bytes | None = None) -> Outcome:
+    """``option`` applied to a copy of ``base`` (``frozen``: ``base`` pickled, when the caller keeps it) and
+    the config resolved; a UserError is the expected refusal."""
+    cfg = pickle.loads(frozen or pickle.dumps(base))  # a deep copy, several times faster than copy.deepcopy
     try:
         cfg.merge_from_options([option])
         prepare_config(cfg, 1, "train")
@@ -78,7 +79,8 @@ def resolve(base: Config, option: str) -> Outcome:
 def sweep(save_path: str) -> Iterator[Outcome]:
     for path in shipped_configs():
         base = load(path, save_path)
+        frozen = pickle.dumps(base)
         for key in leaf_paths(base):
             for value in VALUES:
-                yield resolve(base, f"{key}={value}")
+                yield resolve(base, f"{key}={value}", frozen)
 

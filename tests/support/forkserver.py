@@ -1,29 +1,38 @@
 """Run ``python SCRIPT ...`` / ``python -m MODULE ...`` as real processes that
 skip the interpreter's start-up and the imports of torch and pimm.
 
-A toy training run costs about 4 CPU seconds, half of it importing torch and
-pimm. Each pytest worker therefore keeps one server process that imported
-them once (nothing else: it never runs a torch op, so it holds no thread pool)
-and forks a child per run. The child is a real process with its own pid,
-exit code, stdout and stderr (files), current directory and environment; it
-runs the script as ``__main__``, then ends the way an interpreter does: wait
-for non-daemon threads, run the ``atexit`` handlers, flush, exit with the
-script's code (1 and a traceback for an uncaught exception).
+A toy training run costs about 3 CPU seconds of start-up before its first
+step: importing torch, pimm, and torch._dynamo (which every torch optimizer
+imports at its first ``add_param_group`` and ``step``: half of it). Each pytest
+worker therefore keeps two server processes that imported them once (nothing
+else: a server never runs a torch op, so it holds no thread pool) and fork a
+child per run, taking turns. The child is a real process with its own pid
+(it can be signalled or SIGKILLed, with its own session and process group
+when asked), exit code, stdout and stderr (files), current directory and
+environment; it reseeds numpy's global generator from the OS as a fresh
+interpreter does, runs the script as ``__main__``, then ends the
+way an interpreter does: wait for non-daemon threads, run the ``atexit``
+handlers, flush, exit with the script's code (1 and a traceback for an
+uncaught exception). The ranks that ``--num-gpus N`` starts are fresh
+interpreters, as ever.
 
 What a fresh interpreter would do differently: a module the server imported
 stays imported (so ``PYTHONPATH`` cannot hide or replace torch, pimm or
 tensorboardX; it does reach everything else), environment variables that a
 module reads at import time keep the server's values (the server starts with
-``run.env()``'s, the ones every tool run gets), and every child shares the
-server's string-hash seed. Tests that kill a run and resume it, or compare
-separate processes bit for bit across a restart, keep starting real
-interpreters (``subprocess``).
+``run.env()``'s, the ones every tool run gets), and the children of one
+server share its string-hash seed (consecutive runs come from different
+servers, so a run and its resume hash strings differently). A test of the
+interpreter's own start-up (``python -m pimm``, torchrun, a terminal) keeps
+``subprocess``.
 
 Set ``PIMM_TESTS_FRESH_PROCESSES=1`` to run them all as fresh interpreters instead.
 
 ``run(argv, ...)`` has ``subprocess.run``'s signature for what the tests use
 (``capture_output``, ``text``, ``timeout``, ``env``, ``cwd``) and returns a
-``CompletedProcess``; argv must start with ``sys.executable``.
+``CompletedProcess``; ``popen(argv, stdout=PATH, ...)`` starts one and returns
+a ``Process`` with ``subprocess.Popen``'s ``pid``, ``poll()``, ``wait()`` and
+``returncode``. argv must start with ``sys.executable``.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Imported once by the server; what a toy run of tools/train.py would import.
-PRELOAD = ("torch", "pimm.cli", "pimm.engines.launch", "tests.support.toy", "tensorboardX")
+PRELOAD = ("torch", "torch._dynamo", "pimm.cli", "pimm.engines.launch", "tests.support.toy", "tensorboardX")
 
 
 # --------------------------------------------------------------------------- server side
@@ -57,6 +66,15 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _reseed_from_entropy() -> None:
+    """A fresh interpreter seeds numpy's global generator from the OS; a forked
+    child would inherit the server's state, the same in every run, and hide a
+    run that forgets to seed it. (``random`` reseeds itself after a fork.)"""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
     """In the forked child: become ``python argv...`` and never return."""
     import runpy
@@ -65,12 +83,17 @@ def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
 
     code = 1
     try:
+        if request.get("new_session"):
+            os.setsid()
         for fd in protocol_fds:
             os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            if path is None:  # stderr into stdout, as subprocess.STDOUT
+                os.dup2(1, fd)
+                continue
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
@@ -78,6 +101,7 @@ def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
         server_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ.clear()
         os.environ.update(request["env"])
+        _reseed_from_entropy()
         # sys.path as the interpreter builds it: the script's folder, then $PYTHONPATH, then the rest.
         rest = [p for p in sys.path[1:] if p not in server_pythonpath]
         sys.path[1:] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + rest
@@ -223,16 +247,23 @@ class _Server:
 
 
 last_cpu_s: float | None = None  # CPU seconds of the latest child (for measuring)
-_server: _Server | None = None
+_servers: list[_Server | None] = [None, None]
 _server_lock = threading.Lock()
+_runs = 0
 
 
-def _get_server() -> _Server:
-    global _server
+def _next_server() -> _Server:
+    """The servers take turns: each has its own string-hash seed (an interpreter
+    picks one at start-up), so a run and the run that resumes it hash strings
+    differently, as two fresh interpreters would."""
+    global _runs
     with _server_lock:
-        if _server is None or _server.proc.poll() is not None:
-            _server = _Server()
-        return _server
+        _runs += 1
+        index = _runs % len(_servers)
+        server = _servers[index]
+        if server is None or server.proc.poll() is not None:
+            server = _servers[index] = _Server()
+        return server
 
 
 def run(argv: list[str], *, capture_output: bool = True, text: bool = True, timeout: float | None = None,
@@ -246,7 +277,7 @@ def run(argv: list[str], *, capture_output: bool = True, text: bool = True, time
         return subprocess.run(argv, capture_output=True, text=text, timeout=timeout,
                               env=env if env is not None else tool_env(), cwd=cwd)
 
-    server = _get_server()
+    server = _next_server()
     with tempfile.TemporaryDirectory(prefix="pimm-fork-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         slot = server.start({"argv": [str(a) for a in argv], "cwd": str(Path(cwd or os.getcwd()).resolve()),
@@ -266,6 +297,58 @@ def run(argv: list[str], *, capture_output: bool = True, text: bool = True, time
     if text:  # as subprocess's text mode: locale encoding, universal newlines
         stdout, stderr = (io.TextIOWrapper(io.BytesIO(data)).read() for data in (stdout, stderr))
     return subprocess.CompletedProcess(argv, slot["status"], stdout, stderr)
+
+
+class Process:
+    """A run started by :func:`popen`: ``subprocess.Popen``'s ``pid``,
+    ``returncode`` (negative for a signal), ``poll()`` and ``wait()``."""
+
+    def __init__(self, argv: list[str], server: _Server, slot: dict) -> None:
+        self.args, self.pid, self.returncode = argv, slot["pid"], None
+        self._server, self._slot = server, slot
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._slot["done"].is_set():
+            self._server.finish(self._slot)
+            if self._slot.get("status") is None:
+                raise RuntimeError("the fork server died during a run")
+            self.returncode = self._slot["status"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._slot["done"].wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()
+
+
+def popen(argv: list[str], *, stdout: str | os.PathLike, stderr: str | os.PathLike | None = None,
+          env: dict | None = None, cwd: str | os.PathLike | None = None,
+          start_new_session: bool = False) -> Process | subprocess.Popen:
+    """``subprocess.Popen(argv, stdout=open(stdout, "w"), stderr=open(stderr, "w") or STDOUT
+    when None, ...)`` through the fork server: a real process of its own (its pid can be
+    signalled or SIGKILLed, with its process group when ``start_new_session``), without
+    the start-up."""
+    if argv[0] != sys.executable:
+        raise ValueError("forkserver.popen: argv must start with sys.executable")
+    from tests.support.run import env as tool_env
+
+    env = dict(env if env is not None else tool_env())
+    cwd = str(Path(cwd or os.getcwd()).resolve())
+    if os.environ.get("PIMM_TESTS_FRESH_PROCESSES") == "1":
+        with open(stdout, "w") as out:
+            err = open(stderr, "w") if stderr is not None else None
+            try:
+                return subprocess.Popen(argv, stdout=out, stderr=err or subprocess.STDOUT, env=env, cwd=cwd,
+                                        start_new_session=start_new_session)
+            finally:
+                if err is not None:
+                    err.close()
+    server = _next_server()
+    slot = server.start({"argv": [str(a) for a in argv], "cwd": cwd, "env": env, "stdout": str(stdout),
+                         "stderr": None if stderr is None else str(stderr), "new_session": start_new_session})
+    if slot.get("pid") is None:
+        raise RuntimeError("the fork server died before starting a run")
+    return Process([str(a) for a in argv], server, slot)
 
 
 if __name__ == "__main__":
