@@ -10,6 +10,8 @@
 _base_ = "finetune-sonata-lin.py"
 
 save_path = "exp/lartpc/finetune-sonata-fft"
+epoch = 20  # not the linear probe's 100: every weight trains here
+eval_epoch = 4  # evaluate every 5 epochs
 model = dict(
     backbone_out_channels=32,
     backbone=dict(

@@ -1,11 +1,13 @@
 # Sonata self-supervised pre-training (stage 1 of docs/pretraining.md) of a
 # small PT-v3m2 encoder on generated LArTPC events, no labels used; upstream's
 # pilarnet-smallmask recipe (views, masks, schedules, hooks), small enough for
-# the 2-core CPU: 480 optimizer steps of 2 events, 7 min 23 s for the command
-# on the quiet VM, one thread (docs/pretraining.md has the measured runs). Batches
-# of 2 give twice the updates of batches of 4 for the same compute, which this
-# short run needs more than larger batches (the learning rate is scaled by
-# sqrt(2/4) from the batch-4 value, as upstream scales its base_lr).
+# the 2-core CPU: 960 optimizer steps of 2 events, about 15 minutes for the
+# command on the quiet VM, one thread (extrapolated from 858 s of training for
+# 1,000 steps there; 480 steps took 7 min 23 s). The frozen encoder's features
+# keep improving past 480 steps (docs/pretraining.md has the measured runs).
+# Batches of 2 give twice the updates of batches of 4 for the same compute,
+# which this short run needs more than larger batches (the learning rate is
+# scaled by sqrt(2/4) from the batch-4 value, as upstream scales its base_lr).
 #
 #   python tools/train.py --config-file configs/lartpc/pretrain-sonata.py
 #
@@ -16,7 +18,7 @@ _base_ = "../_base_/default_runtime.py"
 save_path = "exp/lartpc/pretrain-sonata"
 seed = 0
 epoch = 1
-batch_size = 2  # 960 events -> 480 steps
+batch_size = 2  # 1,920 events -> 960 steps
 num_worker = 1
 clip_grad = 3.0
 
@@ -117,7 +119,7 @@ _probe = [
 data = dict(
     num_classes=5,
     names=["shower", "track", "michel", "delta", "low_energy"],
-    train=dict(type="LArTPCSynthDataset", num_events=960, split="train", transform=_pretrain),
+    train=dict(type="LArTPCSynthDataset", num_events=1920, split="train", transform=_pretrain),
     val=dict(type="LArTPCSynthDataset", num_events=60, split="val", transform=_probe, in_memory=True),
 )
 
