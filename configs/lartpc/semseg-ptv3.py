@@ -17,11 +17,14 @@
 # 0.813 / 0.846 / 0.862 / 0.868 after 250 / 500 / ... / 2,000 steps (IoU
 # shower 0.924, track 0.919, Michel 0.873, delta 0.630, low-energy 0.996),
 # 22 min 24 s for the whole command (median logged step 0.60 s under that
-# load). Not yet timed on the quiet VM: the previous 1,800-step recipe took
-# 16 min 01 s there (957 s of training, 0.53 s a step), so 2,000 steps
-# should take ~18 min. The 0.90 target is not reached; neither a higher or
-# lower peak lr, patches of 128 nor the U-Net's data recipe moved a 600-step
-# run beyond the noise (docs/models/ptv3.md, "Applied since, and the recipe").
+# load). On the quiet VM (2026-12-07 08:24-08:48 UTC, load 1-1.5) the same
+# recipe over 3,000 steps (--options data.train.num_events=24000) passed
+# step 2,000 after ~14.7 min (so this config's 2,000 steps take ~15 min
+# there, estimated from that run) and reached 0.887 after its 3,000 steps in
+# 23 min 50 s, past the 20 minutes. The 0.90 target is not reached; neither
+# a higher or lower peak lr, patches of 128 nor the U-Net's data recipe moved
+# a 600-step run beyond the noise (docs/models/ptv3.md, "Applied since, and
+# the recipe").
 #
 # One pass over 16,000 events (2,000 steps of 8) generated on the fly by one
 # loader worker (generation, ~6 ms an event, overlaps the steps), evaluation
