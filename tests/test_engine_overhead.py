@@ -80,11 +80,12 @@ def test_a_flush_makes_no_python_call_of_its_own_per_record(tmp_path):
 
 def test_a_training_step_stays_within_its_budget_of_pimm_calls(tmp_path):
     """A step with every default hook (no flush, no checkpoint in it) makes at
-    most 30 calls into the engine's code: the loop, run_step and its parts, the
+    most 34 calls into the engine's code: the loop, run_step and its parts, the
     hooks, the loader's fetch, the schedule (the data set and collate are not
     counted). 53 before the hot path skipped CommInfo's per-key check for the
-    trainer's own keys and the hooks read the train state directly. Raise the
-    budget only for work every step must do."""
+    trainer's own keys. The hooks read ``trainer.iter`` / ``global_step``
+    (properties: a call each), the contract upstream's hooks and trainers
+    share. Raise the budget only for work every step must do."""
     trainer = make_trainer(tmp_path, "[]", extra="data['train']['num_samples'] = 640\n", epoch=1)
     trainer.restore()
     trainer.call_hooks("before_train")
@@ -95,7 +96,7 @@ def test_a_training_step_stays_within_its_budget_of_pimm_calls(tmp_path):
     trainer.iters_per_epoch = 19  # steps 2..19: no log flush (every 20), no epoch end
     calls = pimm_calls(lambda: TrainerBase.run_epoch(trainer))
     assert trainer.train_state.global_step == 19
-    assert calls / 18 <= 30, f"{calls / 18:.1f} engine calls per step"
+    assert calls / 18 <= 34, f"{calls / 18:.1f} engine calls per step"
     trainer.close()
 
 

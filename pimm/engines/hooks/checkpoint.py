@@ -146,7 +146,7 @@ class CheckpointSaver(HookBase):
         trainer = self.trainer
         if "current_metric_value" in trainer.comm_info and comm.get_world_size() == 1:
             take_published_metric(trainer)  # model_best holds this step's weights (distributed: at the next save)
-        step = trainer.train_state.global_step
+        step = trainer.global_step
         due = self.save_freq and step % self.save_freq == 0
         if self.evaluator_every_n_steps and trainer.cfg.evaluate:
             due = due or step % self.evaluator_every_n_steps == 0

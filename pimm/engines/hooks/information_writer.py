@@ -75,8 +75,7 @@ class InformationWriter(HookBase):
 
     def after_step(self):
         trainer = self.trainer
-        state = trainer.train_state  # read directly, not through the trainer's properties: every step
-        if state.global_step % self.log_frequency == 0 or state.iter_in_epoch == trainer.iters_per_epoch:
+        if trainer.global_step % self.log_frequency == 0 or trainer.iter == trainer.iters_per_epoch:
             self._flush_and_log()
 
     def _flush_and_log(self):

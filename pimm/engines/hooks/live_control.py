@@ -180,7 +180,7 @@ class LiveControl(HookBase):
 
     def after_step(self) -> None:
         """Replay a recorded change due at this step, or poll the file."""
-        step = self.trainer.train_state.global_step
+        step = self.trainer.global_step
         if self._replay:  # a replayed change stands for the poll that first read it: no other read this step
             while self._replay and self._replay[0]["step"] <= step:
                 self._apply(self._replay.pop(0), replayed=True)

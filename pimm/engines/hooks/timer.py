@@ -52,8 +52,7 @@ class IterationTimer(HookBase):
             if self.warmup_iter == 0 and self._timed_steps == 1:
                 self._timed_since = self._step_start
             mean = (now - self._timed_since) / (self._timed_steps - self.warmup_iter)
-            done_in_epoch = trainer.train_state.iter_in_epoch
-            remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - done_in_epoch
+            remaining = (trainer.max_epoch - trainer.epoch) * trainer.iters_per_epoch - trainer.iter
             metrics.record("time/eta", mean * remaining)
 
     def after_train(self):
