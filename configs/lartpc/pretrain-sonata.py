@@ -1,9 +1,9 @@
 # Sonata self-supervised pre-training (stage 1 of docs/pretraining.md) of a
 # small PT-v3m2 encoder on generated LArTPC events, no labels used; upstream's
 # pilarnet-smallmask recipe (views, masks, schedules, hooks), small enough for
-# the 2-core CPU: 960 optimizer steps of 2 events, about 15 minutes for the
-# command on the quiet VM, one thread (extrapolated from 858 s of training for
-# 1,000 steps there; 480 steps took 7 min 23 s). The frozen encoder's features
+# the 2-core CPU: 960 optimizer steps of 2 events, 12 min 25 s for the
+# command on the quiet VM with OMP_NUM_THREADS=1 (2026-12-07 09:09 UTC, 741 s
+# of training; online probe 0.379 -> 0.424). The frozen encoder's features
 # keep improving past 480 steps (docs/pretraining.md has the measured runs).
 # Batches of 2 give twice the updates of batches of 4 for the same compute,
 # which this short run needs more than larger batches (the learning rate is
