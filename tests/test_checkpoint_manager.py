@@ -20,19 +20,7 @@ import torch
 
 import pimm.engines.state.manager as ckpt
 from pimm.engines.state.manager import CheckpointManager, atomic_torch_save
-
-
-class Counter:
-    """A minimal participant."""
-
-    def __init__(self, value: int = 0):
-        self.value = value
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
+from tests.support.participants import Counter
 
 
 class Crash(Exception):

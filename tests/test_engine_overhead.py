@@ -18,6 +18,7 @@ from pimm.engines.observe.writers import MetricsWriter
 from pimm.engines.state import manager as manager_module
 from pimm.engines.state.manager import CheckpointManager, Retention
 from tests.support.inprocess import make_trainer
+from tests.support.participants import Counter
 
 ENGINE = str(Path(manager_module.__file__).resolve().parents[1])  # pimm/engines
 
@@ -37,17 +38,6 @@ def pimm_calls(fn) -> int:
     finally:
         sys.setprofile(None)
     return calls
-
-
-class Counter:
-    def __init__(self):
-        self.value = 0
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
 
 
 def test_a_flush_makes_no_python_call_of_its_own_per_record(tmp_path):

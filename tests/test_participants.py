@@ -25,19 +25,7 @@ from pimm.engines.run.launch import build_trainer, load_config  # noqa: E402
 from pimm.engines.observe.tracing import build_tracer  # noqa: E402
 from tests.support.inprocess import SMALL, make_trainer, records  # noqa: E402
 from tests.support.run import write_toy_config  # noqa: E402
-
-
-class Counter:
-    """A plain object with state_dict / load_state_dict only."""
-
-    def __init__(self, value=0):
-        self.value = value
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
+from tests.support.participants import Counter  # noqa: E402
 
 
 class Adaptive:

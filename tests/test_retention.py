@@ -26,17 +26,7 @@ from pimm.engines.hooks.base import build_hooks  # noqa: E402
 from pimm.engines.state.manager import CheckpointManager, Retention  # noqa: E402
 from pimm.utils.errors import RegistryError  # noqa: E402
 from tests.support import inprocess  # noqa: E402
-
-
-class Counter:
-    def __init__(self):
-        self.value = 0
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
+from tests.support.participants import Counter  # noqa: E402
 
 
 def manager_with(directory: Path, **retention) -> tuple[CheckpointManager, Counter]:
