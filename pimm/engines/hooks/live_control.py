@@ -131,13 +131,7 @@ class LiveControl(HookBase):
     @property
     def control_path(self) -> Path:
         """Where the hook reads its requests."""
-        save_path = self.trainer.save_path
-        cached = self._control_path
-        if cached is None or cached[0] is not save_path:  # built once: it is read every poll_every steps
-            self._control_path = cached = (save_path, Path(save_path) / self.file)
-        return cached[1]
-
-    _control_path: tuple | None = None
+        return Path(self.trainer.save_path) / self.file
 
     @property
     def audit_path(self) -> Path:
