@@ -2,7 +2,10 @@
 
 Each child re-runs the same script with ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so the code path is
-the one torchrun takes. The parent forwards pre-emption signals and Ctrl-C
+the one torchrun takes. On a CPU-only Linux machine a child is a fork of
+this process that then runs the script as ``__main__`` (it skips importing
+torch and pimm again: see :mod:`pimm.distributed.forked_main`); elsewhere, or
+with ``PIMM_RANK_START=exec``, a fresh interpreter. The parent forwards pre-emption signals and Ctrl-C
 to every child and, if one child fails, stops the others instead of leaving
 them blocked in a collective. The children run in a process group of their
 own, so a Ctrl-C in the terminal reaches each of them once (through the
@@ -14,6 +17,7 @@ input is usually seen by every rank alike).
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -22,6 +26,7 @@ import sys
 import threading
 import time
 
+from pimm.distributed.forked_main import can_fork_ranks, fork_main
 from pimm.utils.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 __all__ = ["spawn_local", "free_port"]
@@ -70,11 +75,13 @@ def _report_killed(rank: int, code: int, log_path: str | None) -> None:
 
 
 def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dict | None = None,
-                log_path: str | None = None, abort: threading.Event | None = None) -> int:
+                log_path: str | None = None, abort: threading.Event | None = None,
+                preload: tuple[str, ...] = ()) -> int:
     """Run ``command`` (argv, without the interpreter) in ``nprocs`` ranks with
     ``env`` added; return the aggregate exit code (0, 75 when all stopped for
     pre-emption, else the failure). A rank killed by a signal (not by this
-    launcher) is reported on stderr and appended to ``log_path``. An interrupt
+    launcher) is reported on stderr and appended to ``log_path``. Ranks that
+    are forked find the modules in ``preload`` imported (once, here). An interrupt
     of this process while ``abort`` is set (the run lock was lost) kills the
     ranks at once instead of passing a Ctrl-C on."""
     port = free_port()
@@ -82,11 +89,21 @@ def spawn_local(command: list[str], nprocs: int, grace_s: float = 10.0, env: dic
     seen_errors: set[str] = set()
     lock = threading.Lock()
     pumps = []
+    fork = can_fork_ranks(command)
+    if fork:
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional extra: the rank that needs it reports it
+                pass
     for rank in range(nprocs):
         child_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                          LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        child = subprocess.Popen([sys.executable, *command], env=child_env, stderr=subprocess.PIPE,
-                                 process_group=0, preexec_fn=_die_with_parent())
+        if fork:
+            child = fork_main(command, child_env, in_child=_die_with_parent())
+        else:
+            child = subprocess.Popen([sys.executable, *command], env=child_env, stderr=subprocess.PIPE,
+                                     process_group=0, preexec_fn=_die_with_parent())
         children.append(child)
     for child in children:  # after every fork: a preexec_fn is safe only while no thread of ours runs
         pump = threading.Thread(target=_pump_stderr, args=(child.stderr, seen_errors, lock), daemon=True)

@@ -11,10 +11,8 @@ child per run, taking turns. The child is a real process with its own pid
 when asked), exit code, stdout and stderr (files), current directory and
 environment; it reseeds numpy's global generator from the OS as a fresh
 interpreter does, runs the script as ``__main__``, then ends the
-way an interpreter does: wait for non-daemon threads, run the ``atexit``
-handlers, flush, exit with the script's code (1 and a traceback for an
-uncaught exception). The ranks that ``--num-gpus N`` starts are fresh
-interpreters, as ever.
+way an interpreter does (all of that is ``pimm.distributed.forked_main``'s
+``run_as_main``, which ``--num-gpus N`` uses to fork its ranks).
 
 What a fresh interpreter would do differently: a module the server imported
 stays imported (so ``PYTHONPATH`` cannot hide or replace torch, pimm or
@@ -56,32 +54,10 @@ PRELOAD = ("torch", "torch._dynamo", "pimm.cli", "pimm.engines.launch", "tests.s
 # --------------------------------------------------------------------------- server side
 
 
-def _exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _reseed_from_entropy() -> None:
-    """A fresh interpreter seeds numpy's global generator from the OS; a forked
-    child would inherit the server's state, the same in every run, and hide a
-    run that forgets to seed it. (``random`` reseeds itself after a fork.)"""
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-
-
 def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
     """In the forked child: become ``python argv...`` and never return."""
-    import runpy
-    import signal
-    import traceback
+    from pimm.distributed.forked_main import run_as_main
 
-    code = 1
     try:
         if request.get("new_session"):
             os.setsid()
@@ -98,47 +74,13 @@ def _child(request: dict, protocol_fds: tuple[int, int]) -> None:
             os.dup2(target, fd)
             os.close(target)
         os.chdir(request["cwd"])
+        # sys.path as the interpreter builds it: the script's folder (run_as_main), then $PYTHONPATH, then the rest.
         server_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        os.environ.clear()
-        os.environ.update(request["env"])
-        _reseed_from_entropy()
-        # sys.path as the interpreter builds it: the script's folder, then $PYTHONPATH, then the rest.
         rest = [p for p in sys.path[1:] if p not in server_pythonpath]
         sys.path[1:] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p] + rest
-        argv = request["argv"][1:]
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = request["cwd"]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        elif argv[0] == "-c":
-            sys.argv = ["-c", *argv[2:]]
-            sys.path[0] = ""
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        else:
-            script = os.path.abspath(argv[0])
-            sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(script)
-            runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - an uncaught exception: traceback and exit 1, like python
-        traceback.print_exc()
-        code = 1
-    try:  # the interpreter's own shutdown order: threads, then atexit
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:  # noqa: BLE001
-        pass
-    if code < 0:  # died of Ctrl-C, as python does for an uncaught KeyboardInterrupt
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    except BaseException:  # noqa: BLE001 - never return into the server's loop
+        os._exit(1)
+    run_as_main(request["argv"][1:], request["env"])
 
 
 def serve() -> None:

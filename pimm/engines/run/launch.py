@@ -160,6 +160,9 @@ def _run(args, mode: str, attempt_box: list) -> int:
                     pass
 
 
+# What every rank imports beyond this launcher (torch.distributed, the optimizers'
+# torch._dynamo, the default writer): forked ranks find them imported once.
+RANK_IMPORTS = ("torch.distributed", "torch._dynamo", "tensorboardX")
 _PREEMPT_NAMES: list[str] = []
 _LOCKS: list = []  # the run locks this process took (for the reason when one was lost)
 _RUN: dict = {}  # save_path and world size once known, for the line an interruption prints
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("PIMM_DEBUG") == "1"
     _RUN.clear()
+    _LOCKS.clear()  # a forked rank inherits its launcher's (disowned) lock: not this run's
     ABORT_NOW.clear()
     attempt_box: list = []
     code, reason = EXIT_FAILURE, "failed"
@@ -318,13 +322,13 @@ def main(argv: list[str] | None = None, mode: str = "train") -> int:
             # Validate once here, so bad input gives one error line rather than N.
             cfg, _ = load_config(*_config_source(args), args.num_gpus, mode, check_save_path=False)
             if mode != "train":
-                return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus)
+                return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus, preload=RANK_IMPORTS)
             with RunLock(cfg.save_path, on_lost=_stop_writing) as parent_lock:  # held for all its ranks
                 _LOCKS[:] = [parent_lock]
                 guard_fresh_run(cfg)
                 return spawn_local([sys.argv[0], *_strip_num_gpus(argv)], args.num_gpus,
                                    env={"PIMM_RUN_LOCK_HELD": "1"}, log_path=str(Path(cfg.save_path) / "train.log"),
-                                   abort=ABORT_NOW)
+                                   abort=ABORT_NOW, preload=RANK_IMPORTS)
         code = _run(args, mode, attempt_box)
         reason = next((r for r in attempt_box if isinstance(r, str)), "completed")
         return code
