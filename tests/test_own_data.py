@@ -5,10 +5,10 @@ the page's task is small by design)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
+from tests.support import forkserver
 from tests.support.doc_commands import ROOT, as_argv, commands, copy_checkout, fenced
 from tests.support.run import env
 
@@ -29,12 +29,12 @@ def test_train_on_your_own_data_end_to_end(tmp_path):
         (clone / name).write_text(block)
     environment = env()
     environment["PYTHONPATH"] = str(clone)
-    for command in commands(PAGE.read_text()):
-        done = subprocess.run(as_argv(command), cwd=clone, env=environment, capture_output=True, text=True,
-                              timeout=900)
-        assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-3000:]}"
-        if "--print-config" in command:
-            assert "type='FeatureFileDataset'" in done.stdout and "custom_imports = ['my_data']" in done.stdout
+    with forkserver.server_in(clone, environment) as server:  # torch and pimm imported from the copy once
+        for command in commands(PAGE.read_text()):
+            done = forkserver.run(as_argv(command), cwd=clone, env=environment, timeout=900, server=server)
+            assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-3000:]}"
+            if "--print-config" in command:
+                assert "type='FeatureFileDataset'" in done.stdout and "custom_imports = ['my_data']" in done.stdout
     run = clone / "exp" / "my-task"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     accuracies = [r["val/acc"] for r in records if "val/acc" in r]

@@ -9,15 +9,20 @@ fresh copy of the repository, each command as written except that
   its data small and its epochs few. A resume gets nothing appended: it must
   continue its run from what the run recorded.
 
+Each command is a process forked from a server that imported torch and
+pimm from the copy (tests/support/forkserver.py's ``server_in``), not a
+fresh interpreter: the same code, without ~2 CPU-s of start-up each.
+
 Every command must exit 0. So the README cannot drift from what pimm does.
 """
 
 from __future__ import annotations
 
-import subprocess
+import sys
 
 import pytest
 
+from tests.support import forkserver
 from tests.support.doc_commands import ROOT, as_argv, commands, copy_checkout
 from tests.support.run import env
 
@@ -59,13 +64,18 @@ def test_the_readme_runs_top_to_bottom(tmp_path):
     environment = env()
     environment["PYTHONPATH"] = str(clone)
     ran = []
-    for command in commands(README.read_text()):
-        argv = runnable(command)
-        if argv is None:
-            continue
-        done = subprocess.run(argv, cwd=clone, env=environment, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"README command failed ({done.returncode}): {command}\n{done.stderr[-3000:]}"
-        ran.append((command, done))
+    # Each command is a process forked from a server that imported torch and pimm from the copy once.
+    with forkserver.server_in(clone, environment) as server:
+        where = forkserver.run([sys.executable, "-c", "import pimm, torch; print(pimm.__file__)"], cwd=clone,
+                               env=environment, timeout=120, server=server)
+        assert where.stdout.strip() == str(clone / "pimm" / "__init__.py"), where  # the copy's pimm, not ours
+        for command in commands(README.read_text()):
+            argv = runnable(command)
+            if argv is None:
+                continue
+            done = forkserver.run(argv, cwd=clone, env=environment, timeout=900, server=server)
+            assert done.returncode == 0, f"README command failed ({done.returncode}): {command}\n{done.stderr[-3000:]}"
+            ran.append((command, done))
     outputs = {c: d for c, d in ran}
     # The resume continued the run it names (the overrides it was started with applied again) ...
     resume = next(c for c in outputs if "resume=True" in c)

@@ -36,6 +36,7 @@ a ``Process`` with ``subprocess.Popen``'s ``pid``, ``poll()``, ``wait()`` and
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -131,12 +132,14 @@ def serve() -> None:
 
 
 class _Server:
-    """This process's server: started on first use, ended with the process."""
+    """A server: this process's two (started on first use, ended with the
+    process), or one that :func:`server_in` starts in another checkout."""
 
-    def __init__(self) -> None:
-        from tests.support.run import env
+    def __init__(self, root: Path = ROOT, env: dict | None = None) -> None:
+        from tests.support.run import env as tool_env
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.forkserver"], cwd=ROOT, env=env(),
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.forkserver"], cwd=root,
+                                     env=env if env is not None else tool_env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         if "ready" not in json.loads(self.proc.stdout.readline() or '{"failed": 1}'):
             raise RuntimeError("the fork server did not start")
@@ -208,9 +211,28 @@ def _next_server() -> _Server:
         return server
 
 
+@contextlib.contextmanager
+def server_in(root: str | os.PathLike, env: dict):
+    """A server of its own whose torch, pimm and tests come from the checkout
+    ``root`` (a copy, as the README's test makes): ``env`` must put ``root``
+    first on ``PYTHONPATH``. Pass it to :func:`run` as ``server=``. None when
+    ``PIMM_TESTS_FRESH_PROCESSES=1`` (then ``run`` starts fresh interpreters)."""
+    if os.environ.get("PIMM_TESTS_FRESH_PROCESSES") == "1":
+        yield None
+        return
+    server = _Server(Path(root), dict(env))
+    try:
+        yield server
+    finally:
+        atexit.unregister(server.close)
+        server.close()
+
+
 def run(argv: list[str], *, capture_output: bool = True, text: bool = True, timeout: float | None = None,
-        env: dict | None = None, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run(argv, capture_output=True, ...)`` through the fork server."""
+        env: dict | None = None, cwd: str | os.PathLike | None = None,
+        server: _Server | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, ...)`` through the fork server
+    (``server``: one from :func:`server_in`; else this process's, taking turns)."""
     if argv[0] != sys.executable or not capture_output:
         raise ValueError("forkserver.run: argv must start with sys.executable, output captured")
     from tests.support.run import env as tool_env
@@ -219,7 +241,7 @@ def run(argv: list[str], *, capture_output: bool = True, text: bool = True, time
         return subprocess.run(argv, capture_output=True, text=text, timeout=timeout,
                               env=env if env is not None else tool_env(), cwd=cwd)
 
-    server = _next_server()
+    server = server or _next_server()
     with tempfile.TemporaryDirectory(prefix="pimm-fork-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         slot = server.start({"argv": [str(a) for a in argv], "cwd": str(Path(cwd or os.getcwd()).resolve()),
