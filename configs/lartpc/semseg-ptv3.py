@@ -12,15 +12,12 @@
 # configs/lartpc/semseg-sparseunet.py, 2026-12-07, load 6) against ~2.1-2.2x
 # at width 32. AdamW runs its fused kernel (1.0 against 5.5 ms a step).
 #
-# Measured 2026-12-07 07:47-08:10 UTC on the shared VM (load 3-7, other jobs
-# running, torch's two threads): val mIoU 0.592 / 0.676 / 0.763 / 0.806 /
-# 0.813 / 0.846 / 0.862 / 0.868 after 250 / 500 / ... / 2,000 steps (IoU
-# shower 0.924, track 0.919, Michel 0.873, delta 0.630, low-energy 0.996),
-# 22 min 24 s for the whole command (median logged step 0.60 s under that
-# load). On the quiet VM (2026-12-07 08:24-08:48 UTC, load 1-1.5) the same
-# recipe over 3,000 steps (--options data.train.num_events=24000) passed
-# step 2,000 after ~14.7 min (so this config's 2,000 steps take ~15 min
-# there, estimated from that run) and reached 0.887 after its 3,000 steps in
+# Measured on the quiet VM, 2026-12-07 11:20-11:36 UTC (load 1.5-2, torch's
+# two threads): val mIoU 0.592 / 0.676 / 0.763 / 0.806 / 0.813 / 0.846 /
+# 0.862 / 0.868 after 250 / 500 / ... / 2,000 steps (IoU shower 0.924, track
+# 0.919, Michel 0.873, delta 0.630, low-energy 0.996), 16 min 14 s for the
+# whole command (22 min 24 s under load 3-7, the same curve). The same recipe
+# over 3,000 steps (--options data.train.num_events=24000) reached 0.887 in
 # 23 min 50 s, past the 20 minutes. The 0.90 target is not reached; neither
 # a higher or lower peak lr, patches of 128 nor the U-Net's data recipe moved
 # a 600-step run beyond the noise (docs/models/ptv3.md, "Applied since, and
