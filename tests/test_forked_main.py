@@ -33,7 +33,7 @@ def _script(tmp_path, body: str) -> str:
     return str(path)
 
 
-def test_a_forked_script_sees_the_argv_environment_and_streams_a_fresh_interpreter_would(tmp_path):
+def test_a_forked_script_sees_the_argv_environment_and_streams_a_fresh_interpreter_would(tmp_path, monkeypatch):
     out = tmp_path / "out.json"
     script = _script(tmp_path, f"""
         import json, os, sys
@@ -42,15 +42,11 @@ def test_a_forked_script_sees_the_argv_environment_and_streams_a_fresh_interpret
                        parent_only=os.environ.get("PARENT_ONLY"), pgid=os.getpgid(0), pid=os.getpid(),
                        stderr_fd=sys.stderr.fileno()), open({str(out)!r}, "w"))
     """)
-    env = {k: v for k, v in os.environ.items()}
-    env["ONLY_HERE"] = "1"
-    os.environ["PARENT_ONLY"] = "yes"
-    try:
-        child = fork_main([script, "--flag", "x"], env={k: v for k, v in env.items() if k != "PARENT_ONLY"})
-        stderr = child.stderr.read().decode()
-        code = child.wait()
-    finally:
-        del os.environ["PARENT_ONLY"]
+    env = dict(os.environ, ONLY_HERE="1")
+    monkeypatch.setenv("PARENT_ONLY", "yes")  # in the parent only: the child gets ``env``, nothing else
+    child = fork_main([script, "--flag", "x"], env=env)
+    stderr = child.stderr.read().decode()
+    code = child.wait()
     seen = json.loads(out.read_text())
     assert code == 0 and stderr == "to stderr\n"
     assert seen["argv"] == [script, "--flag", "x"] and seen["name"] == "__main__"

@@ -137,7 +137,6 @@ def fork_main(argv: list[str], env: dict, *, new_process_group: bool = True, in_
             pass
     pid = _fork()
     if pid == 0:
-        code = 1
         try:
             os.close(read_fd)
             if new_process_group:
@@ -147,7 +146,7 @@ def fork_main(argv: list[str], env: dict, *, new_process_group: bool = True, in_
             os.dup2(write_fd, 2)
             os.close(write_fd)
         except BaseException:  # noqa: BLE001 - never return into the parent's code
-            os._exit(code)
+            os._exit(1)
         run_as_main(argv, env)
     os.close(write_fd)
     return ForkedProcess(pid, os.fdopen(read_fd, "rb"))
@@ -208,9 +207,9 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def run_as_main(argv: list[str], env: dict | None = None, *, set_path: bool = True) -> None:
-    """In a forked child: become ``python argv...`` and never return.
-    ``set_path=False`` leaves ``sys.path`` as the caller arranged it."""
+def run_as_main(argv: list[str], env: dict | None = None) -> None:
+    """In a forked child: become ``python argv...`` (``sys.path[0]`` set as
+    the interpreter sets it, the rest of ``sys.path`` left) and never return."""
     import atexit
     import runpy
     import traceback
@@ -225,19 +224,16 @@ def run_as_main(argv: list[str], env: dict | None = None, *, set_path: bool = Tr
         _fresh_generators()
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            if set_path:
-                sys.path[0] = os.getcwd()
+            sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         elif argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
-            if set_path:
-                sys.path[0] = ""
+            sys.path[0] = ""
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         else:
             script = os.path.abspath(argv[0])
             sys.argv = list(argv)
-            if set_path:
-                sys.path[0] = os.path.dirname(script)
+            sys.path[0] = os.path.dirname(script)
             runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
