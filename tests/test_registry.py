@@ -237,6 +237,39 @@ def test_every_live_registry_is_indexed_by_name():
     assert registries("gizmo-index-test") == [second]  # a dropped registry is forgotten
 
 
+def test_what_a_config_type_resolves_to_follows_registrations_removals_and_dropped_registries():
+    """The config checks keep what a type name resolves to (pimm.utils.config_slots);
+    that memo must never outlive a change to the registries."""
+    import gc
+
+    from pimm.utils.config_slots import resolve
+
+    node = dict(type="ResolveMemoProbe", width=1)
+    assert resolve(node, "somewhere") is None  # no registry knows it: plain data
+    reg = Registry("resolve-memo-test")
+
+    @reg.register_module("ResolveMemoProbe")
+    class Narrow:
+        def __init__(self, width=1):
+            self.width = width
+
+    assert resolve(node, "somewhere").params.names == ("width",)
+
+    @reg.register_module("ResolveMemoProbe", force=True)
+    class Wide:
+        def __init__(self, width=1, depth=2):
+            self.width, self.depth = width, depth
+
+    assert resolve(node, "somewhere").params.names == ("width", "depth")
+    assert reg.remove("ResolveMemoProbe") is Wide
+    assert resolve(node, "somewhere") is None
+    reg.register_module("ResolveMemoProbe", module=Narrow)
+    assert resolve(node, "somewhere").params.names == ("width",)
+    del reg, Narrow, Wide
+    gc.collect()
+    assert resolve(node, "somewhere") is None  # a dropped registry's names are gone with it
+
+
 def test_missing_required_argument_is_a_registry_error(reg):
     reg.register_module(module=Motor)
     with pytest.raises(RegistryError, match=r"widget Motor\(voltage=3\).*'power'"):

@@ -59,7 +59,7 @@ def test_build_model_and_build_dataset_build_from_the_registries():
     try:
         assert build_model(dict(type="UpstreamPathProbe", width=5)).width == 5
     finally:
-        MODELS._modules.pop("UpstreamPathProbe")
+        MODELS.remove("UpstreamPathProbe")
 
     @DATASETS.register_module("UpstreamPathData")
     class Data:
@@ -69,4 +69,4 @@ def test_build_model_and_build_dataset_build_from_the_registries():
     try:
         assert build_dataset(dict(type="UpstreamPathData", n=4)).n == 4
     finally:
-        DATASETS._modules.pop("UpstreamPathData")
+        DATASETS.remove("UpstreamPathData")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .errors import ConfigError, RegistryError
-from .registry import Parameters, Registry, parameters_of, registries
+from .registry import Parameters, Registry, generation, parameters_of, registries
 
 __all__ = ["SLOTS", "BUILDER_ARGS", "BUILDER_KEYS", "Resolved", "slot_registry", "resolve", "resolve_section",
            "check_registry_dicts"]
@@ -117,12 +117,43 @@ def resolve(node: Any, path: str) -> Resolved | None:
     if not isinstance(node, dict) or "type" not in node:
         return None
     type_value, slot = node["type"], slot_registry(path)
-    name = _type_name(type_value)
     if not isinstance(type_value, str):
         if not callable(type_value):
             return None
         params, filled = _settable(type_value, slot)
-        return Resolved(f"{slot or 'type'} {name}", params, filled)
+        return Resolved(f"{slot or 'type'} {_type_name(type_value)}", params, filled)
+    return _resolve_name(type_value, slot)
+
+
+class _UntilRegistration(dict):
+    """A memo keyed by (type name, slot), emptied whenever anything is registered
+    or removed (:func:`pimm.utils.registry.generation`). A config is checked
+    after each ``--options`` entry and then whole, and its dicts repeat a few
+    types: each is looked up in the registries once."""
+
+    def __init__(self):
+        super().__init__()
+        self.generation = -1
+
+    def current(self) -> "_UntilRegistration":
+        if self.generation != generation():
+            self.clear()
+            self.generation = generation()
+        return self
+
+
+_RESOLVED = _UntilRegistration()  # (name, slot) -> Resolved | None
+_CLASSES = _UntilRegistration()  # (name, slot) -> ((registry name, class), ...)
+
+
+def _resolve_name(name: str, slot: str | None) -> Resolved | None:
+    cache = _RESOLVED.current()
+    if (name, slot) not in cache:
+        cache[name, slot] = _resolve_registered(name, slot)  # an unknown name raises: never kept
+    return cache[name, slot]
+
+
+def _resolve_registered(name: str, slot: str | None) -> Resolved | None:
     own: list[Registry] = registries(slot) if slot else []
     found = [(r.name, r.find(name)) for r in own if r.find(name) is not None]
     if own and not found:
@@ -147,11 +178,14 @@ def _classes(node: Any, path: str) -> list[tuple[str, Callable]]:
     type_value, slot = node["type"], slot_registry(path)
     if not isinstance(type_value, str):
         return [(slot or "type", type_value)] if callable(type_value) else []
-    own: list[Registry] = registries(slot) if slot else []
-    found = [(r.name, r.find(type_value)) for r in own if r.find(type_value) is not None]
-    if not found:
-        found = [(r.name, r.find(type_value)) for r in registries() if r.find(type_value) is not None]
-    return list({id(cls): (reg, cls) for reg, cls in found}.values())
+    cache = _CLASSES.current()
+    if (type_value, slot) not in cache:
+        own: list[Registry] = registries(slot) if slot else []
+        found = [(r.name, r.find(type_value)) for r in own if r.find(type_value) is not None]
+        if not found:
+            found = [(r.name, r.find(type_value)) for r in registries() if r.find(type_value) is not None]
+        cache[type_value, slot] = tuple({id(cls): (reg, cls) for reg, cls in found}.values())
+    return list(cache[type_value, slot])
 
 
 def resolve_section(cfg: dict, path: str) -> Resolved | None:
@@ -179,7 +213,10 @@ def resolve_section(cfg: dict, path: str) -> Resolved | None:
     return Resolved(f"{path} ({sections[0].__name__} options)", params, ())
 
 
-def _slot_nodes(node: Any, pattern: list[str], path: str = "") -> Iterator[tuple[str, Any]]:
+def _slot_nodes(node: Any, pattern: list[str], path: str = "", within: tuple[str, ...] = ()
+                ) -> Iterator[tuple[str, Any]]:
+    """The ``(path, node)`` pairs that match ``pattern``; with ``within`` (a path's
+    segments) only those at or under that path, without walking the rest."""
     if not pattern:
         yield path, node
         return
@@ -192,8 +229,10 @@ def _slot_nodes(node: Any, pattern: list[str], path: str = "") -> Iterator[tuple
         children = [(str(i), v) for i, v in enumerate(node)]
     else:
         return
+    if within:
+        children = [(key, child) for key, child in children if key == within[0]]
     for key, child in children:
-        yield from _slot_nodes(child, rest, f"{path}.{key}" if path else key)
+        yield from _slot_nodes(child, rest, f"{path}.{key}" if path else key, within[1:])
 
 
 def unknown_key_message(resolved: Resolved, key: str, node: dict, shown: str) -> str:
@@ -217,8 +256,9 @@ def check_registry_dicts(cfg: dict, within: str | None = None, context: str = ""
 
     Meant to run once the config is complete (after ``--options``), so that
     a misspelt key fails before anything is built, on one process."""
+    segments = tuple(within.split(".")) if within else ()
     for pattern, _ in SLOTS:
-        for path, node in _slot_nodes(cfg, pattern.split(".")):
+        for path, node in _slot_nodes(cfg, pattern.split("."), within=segments):
             if within is not None and not (path == within or path.startswith(within + ".")):
                 continue
             try:

@@ -29,7 +29,11 @@ from .errors import RegistryError, UserError
 __all__ = ["Registry", "build_from_cfg", "registries", "parameters_of", "Parameters"]
 
 _LIVE: list[weakref.ref] = []  # every Registry ever made, in creation order
-_GENERATION = [0]  # bumped by every registration: caches of what registries hold key on it
+_GENERATION = [0]  # bumped by every registration, removal, new or dead registry: caches key on it
+
+
+def _bump(_ref=None) -> None:
+    _GENERATION[0] += 1
 
 
 def generation() -> int:
@@ -115,7 +119,8 @@ class Registry:
         self._modules: dict[str, Callable] = {}
         self._hints: dict[str, str] = {}
         self._domains: dict[int, tuple[dict, tuple]] = {}  # id(module) -> (domains, rules), see register_module
-        _LIVE.append(weakref.ref(self))
+        _LIVE.append(weakref.ref(self, _bump))  # a registry that dies changes what registries() finds
+        _bump()
 
     def add_hint(self, name: str, hint: str) -> None:
         """What to use instead of ``name``, a type users know from elsewhere
@@ -151,7 +156,13 @@ class Registry:
                 )
         for name in names:
             self._modules[name] = module
-        _GENERATION[0] += 1
+        _bump()
+
+    def remove(self, name: str) -> Callable:
+        """Unregister ``name`` (a plug-in unloaded, a test's temporary class); returns what it named."""
+        module = self._modules.pop(name)
+        _bump()
+        return module
 
     def register_module(
         self,
@@ -181,7 +192,7 @@ class Registry:
             self._add(obj, names_for(obj), force)
             if domains is not None or rules:
                 self._domains[id(obj)] = (dict(domains or {}), tuple(rules))
-                _GENERATION[0] += 1
+                _bump()
             return obj
 
         if module is not None:
