@@ -263,6 +263,8 @@ def test_what_a_config_type_resolves_to_follows_registrations_removals_and_dropp
     assert resolve(node, "somewhere").params.names == ("width", "depth")
     assert reg.remove("ResolveMemoProbe") is Wide
     assert resolve(node, "somewhere") is None
+    with pytest.raises(KeyError, match="'ResolveMemoProbe' is not registered in resolve-memo-test"):
+        reg.remove("ResolveMemoProbe")
     reg.register_module("ResolveMemoProbe", module=Narrow)
     assert resolve(node, "somewhere").params.names == ("width",)
     del reg, Narrow, Wide

@@ -160,6 +160,8 @@ class Registry:
 
     def remove(self, name: str) -> Callable:
         """Unregister ``name`` (a plug-in unloaded, a test's temporary class); returns what it named."""
+        if name not in self._modules:
+            raise KeyError(f"{name!r} is not registered in {self.name}; nothing to remove")
         module = self._modules.pop(name)
         _bump()
         return module
