@@ -16,7 +16,8 @@
 # two threads): val mIoU 0.592 / 0.676 / 0.763 / 0.806 / 0.813 / 0.846 /
 # 0.862 / 0.868 after 250 / 500 / ... / 2,000 steps (IoU shower 0.924, track
 # 0.919, Michel 0.873, delta 0.630, low-energy 0.996), 16 min 14 s for the
-# whole command (22 min 24 s under load 3-7, the same curve). The same recipe
+# whole command (16 min 51 s in a second quiet run at 13:34 UTC; 22 min 24 s
+# under load 3-7; the same curve each time). The same recipe
 # over 3,000 steps (--options data.train.num_events=24000) reached 0.887 in
 # 23 min 50 s, past the 20 minutes. The 0.90 target is not reached; neither
 # a higher or lower peak lr, patches of 128 nor the U-Net's data recipe moved
