@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 # so that none starts last and leaves the other workers idle (worker-seconds
 # from --durations=0, 2026-12-07).
 LONGEST_FIRST = (
-    # fast tier: the domain sweep's module fixture (~55 s), then the command-line error table
+    # fast tier: the domain sweep's module fixture (~34 s), then the command-line error table
     "test_domains.py", "test_cli_errors.py",
     # slow tier: ~170 s down to ~25 s of one worker each
     "test_upstream_semseg_configs.py", "test_launch_cli.py", "test_readme.py", "test_interrupt.py",
