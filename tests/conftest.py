@@ -11,7 +11,6 @@ A test that needs more threads sets them itself (and restores them).
 
 import os
 
-import pytest
 import torch
 
 os.environ["OMP_NUM_THREADS"] = "1"

@@ -155,19 +155,29 @@ def _resolve_name(name: str, slot: str | None) -> Resolved | None:
 
 def _resolve_registered(name: str, slot: str | None) -> Resolved | None:
     own: list[Registry] = registries(slot) if slot else []
-    found = [(r.name, r.find(name)) for r in own if r.find(name) is not None]
-    if own and not found:
+    if own and all(r.find(name) is None for r in own):
         own[0].get(name)  # raises the registry's closest-name error
-    if not found:  # unknown position (or its registry is not imported): ask every registry
-        found = [(r.name, r.find(name)) for r in registries() if r.find(name) is not None]
-    if not found:
+    classes = _registered(name, slot)
+    if not classes:
         return None
-    classes = list({id(cls): (reg, cls) for reg, cls in found}.values())
     parts = [_settable(cls, reg) for reg, cls in classes]
     names = tuple(dict.fromkeys(n for p, _ in parts for n in p.names))
     filled = tuple(dict.fromkeys(n for _, f in parts for n in f))
     kinds = "/".join(dict.fromkeys(reg for reg, _ in classes))
     return Resolved(f"{kinds} {name}", Parameters(names, any(p.open for p, _ in parts)), filled)
+
+
+def _registered(name: str, slot: str | None) -> tuple[tuple[str, Callable], ...]:
+    """The distinct (registry name, class) pairs ``name`` names: in the slot's
+    registries, else (unknown position, or none of them has it) in every one."""
+    cache = _CLASSES.current()
+    if (name, slot) not in cache:
+        own: list[Registry] = registries(slot) if slot else []
+        found = [(r.name, r.find(name)) for r in own if r.find(name) is not None]
+        if not found:
+            found = [(r.name, r.find(name)) for r in registries() if r.find(name) is not None]
+        cache[name, slot] = tuple({id(cls): (reg, cls) for reg, cls in found}.values())
+    return cache[name, slot]
 
 
 def _classes(node: Any, path: str) -> list[tuple[str, Callable]]:
@@ -178,14 +188,7 @@ def _classes(node: Any, path: str) -> list[tuple[str, Callable]]:
     type_value, slot = node["type"], slot_registry(path)
     if not isinstance(type_value, str):
         return [(slot or "type", type_value)] if callable(type_value) else []
-    cache = _CLASSES.current()
-    if (type_value, slot) not in cache:
-        own: list[Registry] = registries(slot) if slot else []
-        found = [(r.name, r.find(type_value)) for r in own if r.find(type_value) is not None]
-        if not found:
-            found = [(r.name, r.find(type_value)) for r in registries() if r.find(type_value) is not None]
-        cache[type_value, slot] = tuple({id(cls): (reg, cls) for reg, cls in found}.values())
-    return list(cache[type_value, slot])
+    return list(_registered(type_value, slot))
 
 
 def resolve_section(cfg: dict, path: str) -> Resolved | None:
